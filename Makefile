@@ -1,0 +1,31 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.devshim-installed
+DISTRIBUTIONS := -e . -e kernels -e plugins/cpu_reference -e plugins/ascend -e plugins/sophgo
+# a test run never compiles DeepSpeed ops; a stray attempt would land here, not in ~/.cache
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
+
+.PHONY: install demo test lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml requirements-dev.txt constraints.txt build_support/*
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt -c constraints.txt $(DISTRIBUTIONS)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/devshim info
+	$(VENV)/bin/deepspeed --num_gpus 2 --master_port $${DEMO_PORT:-29511} examples/train_gpt.py --zero-stage 2 --steps $${DEMO_STEPS:-30}
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,3 @@
+from devshim_core.cli import main
+
+raise SystemExit(main())

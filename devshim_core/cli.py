@@ -1,0 +1,124 @@
+"""``devshim info`` and ``devshim plugins``: what was detected, what was chosen and why, what was patched."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+from typing import Any
+
+from devshim_core.errors import DevshimError
+from devshim_core.patching import REGISTRY
+from devshim_core.plugins import discover
+from devshim_core.selection import select
+from devshim_core.session import activate, installed_version
+from devshim_core.settings import Settings
+
+
+def _versions() -> dict[str, str | None]:
+    return {
+        "python": platform.python_version(),
+        "devshim-core": installed_version("devshim-core"),
+        "torch": installed_version("torch"),
+        "deepspeed": installed_version("deepspeed"),
+        "megatron-core": installed_version("megatron-core"),
+    }
+
+
+def plugins_report() -> dict[str, Any]:
+    """Discovery and selection only: nothing is patched."""
+    settings = Settings.from_env()
+    registry = discover(settings)
+    report: dict[str, Any] = {"plugins": [r.as_dict() for r in registry], "selected": None, "reason": None,
+                              "patches": []}
+    try:
+        selection = select(registry, settings)
+    except DevshimError as exc:
+        report["reason"] = str(exc)
+    else:
+        report["selected"], report["reason"] = selection.plugin.name, selection.reason
+    return report
+
+
+def info_report() -> dict[str, Any]:
+    """Activate devshim as ``import devshim_core.auto`` would, import the patched frameworks, report it all."""
+    report: dict[str, Any] = {"versions": _versions()}
+    try:
+        session = activate()
+    except DevshimError as exc:
+        report.update(plugins_report())
+        report.update({"selected": None, "reason": str(exc), "error": str(exc)})
+        return report
+    if session.integrations.get("deepspeed", "").startswith("armed"):
+        importlib.import_module("deepspeed")  # fires the armed patches, so the report shows what a script gets
+        session.integrations["deepspeed"] = "applied when deepspeed was imported"
+    report.update({
+        "selected": session.selection.plugin.name,
+        "reason": session.selection.reason,
+        "device": session.device.describe(),
+        "plugins": [r.as_dict() for r in session.registry],
+        "integrations": session.integrations,
+        "patches": REGISTRY.report(),
+    })
+    return report
+
+
+def _print_plugins(plugins: list[dict[str, Any]]) -> None:
+    for p in plugins:
+        mark = "+" if p["available"] else "-"
+        origin = f"{p['distribution']} {p['version']}" if p["distribution"] else p["entry_point"]
+        device = f"{p['device_type']} x{p['device_count']}, priority {p['priority']}" if p["device_type"] else ""
+        print(f"  {mark} {p['name']:<16} {origin:<32} {device}")
+        print(f"      {p['reason']}")
+
+
+def _print_info(report: dict[str, Any]) -> None:
+    print("versions:")
+    for name, version in report["versions"].items():
+        print(f"  {name:<14} {version or 'not installed'}")
+    print("plugins:")
+    _print_plugins(report["plugins"])
+    print(f"selected: {report['selected'] or 'none'}")
+    print(f"  why: {report['reason']}")
+    if "device" in report:
+        d = report["device"]
+        print(f"device: {d['device_type']} x{d['device_count']} ({d['name']}), backend {d['backend']}, "
+              f"dtypes {', '.join(d['supported_dtypes'])}")
+        kernels = [k for group in ("optimizer_kernels", "attention_kernels") for k, ok in d[group].items() if ok]
+        print(f"  kernels: {', '.join(kernels) or 'none'}")
+    if "integrations" in report:
+        print("integrations:")
+        for name, status in report["integrations"].items():
+            print(f"  {name:<14} {status}")
+    print("patches:")
+    if not report["patches"]:
+        print("  none")
+    for p in report["patches"]:
+        print(f"  [{p['set']}] {p['name']}: {p['target']} -- {p['detail']}")
+        print(f"      why: {p['reason']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="devshim", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("info", "activate as `import devshim_core.auto` would and report everything"),
+                            ("plugins", "list the installed plugins and which one would be selected")):
+        command = sub.add_parser(name, help=help_text)
+        command.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    try:
+        report = info_report() if args.command == "info" else plugins_report()
+    except DevshimError as exc:  # configuration errors: say what to fix, no traceback
+        print(f"devshim: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, default=str)
+        print()
+    elif args.command == "info":
+        _print_info(report)
+    else:
+        _print_plugins(report["plugins"])
+        print(f"selected: {report['selected'] or 'none'}\n  why: {report['reason']}")
+    return 0 if report["selected"] else 1

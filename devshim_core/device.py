@@ -1,0 +1,193 @@
+"""The device facade: built once from the selected plugin's hook answers, then called by every integration.
+
+Each operation is the plugin's own callable bound as an attribute, so a framework calling
+``device.synchronize()`` reaches the vendor function with no dispatch in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from devshim_core.errors import PluginError
+from devshim_core.patching import Patch
+from devshim_core.plugins import PluginRecord, PluginRegistry
+from devshim_core.records import (
+    DEVICE_MODULE_API,
+    AllocatorSpec,
+    AttentionKernels,
+    CollectivesSpec,
+    DeviceReport,
+    DeviceTraits,
+    OptimizerKernels,
+)
+from devshim_core.selection import Selection
+
+
+class _NoStream:
+    """Stand-in stream/event for devices without them: every operation completes immediately."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NoStream:
+        return self
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the facade was built from, for reports."""
+
+    plugin: str
+    distribution: str | None
+    version: str | None
+    selection_reason: str
+    report: DeviceReport
+
+
+class Device:
+    """The selected device, as the integrations see it."""
+
+    def __init__(self, info: DeviceInfo, module: Any, traits: DeviceTraits, collectives: CollectivesSpec,
+                 allocator: AllocatorSpec, optimizer: OptimizerKernels, attention: AttentionKernels,
+                 patches: tuple[Patch, ...]) -> None:
+        self.info = info
+        self.type: str = info.report.device_type
+        self.module = module
+        self.traits = traits
+        self.collectives = collectives
+        self.allocator = allocator
+        self.optimizer = optimizer
+        self.attention = attention
+        self.patches = patches
+
+        # device and RNG: the plugin's functions, bound once
+        self.is_available = module.is_available
+        self.device_count = module.device_count
+        self.current_device = module.current_device
+        self.set_device = module.set_device
+        self.synchronize = module.synchronize
+        self.manual_seed = module.manual_seed
+        self.manual_seed_all = module.manual_seed_all
+        self.initial_seed = module.initial_seed
+        self.get_rng_state = module.get_rng_state
+        self.set_rng_state = module.set_rng_state
+        if traits.streams:
+            self.Stream = module.Stream
+            self.Event = module.Event
+            self.stream = module.stream
+            self.current_stream = module.current_stream
+            self.default_stream = module.default_stream
+        else:
+            self.Stream = self.Event = _NoStream
+            self.stream = lambda stream=None: contextlib.nullcontext()
+            self.current_stream = self.default_stream = lambda device=None: _NoStream()
+
+        # allocator
+        self.memory_allocated = allocator.memory_allocated
+        self.max_memory_allocated = allocator.max_memory_allocated
+        self.memory_reserved = allocator.memory_reserved
+        self.max_memory_reserved = allocator.max_memory_reserved
+        self.reset_peak_memory_stats = allocator.reset_peak_memory_stats
+        self.memory_stats = allocator.memory_stats
+        self.empty_cache = allocator.empty_cache
+        self.total_memory = allocator.total_memory
+        self.available_memory = allocator.available_memory
+
+    @property
+    def plugin(self) -> str:
+        return self.info.plugin
+
+    def torch_device(self, index: int | None = None) -> torch.device:
+        if index is None or self.type == "cpu":  # a CPU has one torch device whatever the rank
+            return torch.device(self.type)
+        return torch.device(self.type, index)
+
+    def device_name(self, index: int | None = None) -> str:
+        if index is None or self.type == "cpu":
+            return self.type
+        return f"{self.type}:{index}"
+
+    def prepare_process(self) -> None:
+        """Run the plugin's per-process collectives preparation (idempotent on the plugin's side)."""
+        if self.collectives.prepare is not None:
+            self.collectives.prepare()
+
+    def describe(self) -> dict[str, Any]:
+        optimizer, attention = self.optimizer, self.attention
+        return {
+            "plugin": self.plugin,
+            "device_type": self.type,
+            "device_count": self.info.report.device_count,
+            "name": self.traits.name,
+            "supported_dtypes": [str(d).replace("torch.", "") for d in self.traits.supported_dtypes],
+            "backend": self.collectives.backend,
+            "optimizer_kernels": {k: getattr(optimizer, k) is not None
+                                  for k in ("fused_adamw", "host_adam_step", "host_adam_rollback")},
+            "attention_kernels": {k: getattr(attention, k) is not None
+                                  for k in ("attention", "rms_norm", "swiglu", "rotary")},
+        }
+
+
+def _checked(registry: PluginRegistry, record: PluginRecord, hook: str, expected: type | None,
+             default: Any = None) -> Any:
+    try:
+        answer = registry.call(record, hook, report=record.report)
+    except Exception as exc:
+        raise PluginError(f"plugin {record.name!r} raised in {hook}: {type(exc).__name__}: {exc}\n"
+                          f"{traceback.format_exc()}\nForce another plugin with DEVSHIM_PLUGIN=<name> or block this "
+                          f"one with DEVSHIM_DISABLED_PLUGINS={record.name}.") from exc
+    if answer is None:
+        if default is None:
+            raise PluginError(f"plugin {record.name!r} does not implement {hook}, which a selectable plugin must.")
+        return default
+    if expected is not None and not isinstance(answer, expected):
+        raise PluginError(f"plugin {record.name!r}: {hook} returned {type(answer).__name__}, "
+                          f"expected {expected.__name__}.")
+    return answer
+
+
+def build_device(registry: PluginRegistry, selection: Selection) -> Device:
+    """Ask the selected plugin for its answers, validate them and bind them into one :class:`Device`."""
+    record = selection.plugin
+    assert record.report is not None
+    module = _checked(registry, record, "devshim_device_module", None)
+    missing = [name for name in DEVICE_MODULE_API if not hasattr(module, name)]
+    if missing:
+        raise PluginError(f"plugin {record.name!r}: the device module lacks {', '.join(missing)}.")
+    traits = _checked(registry, record, "devshim_device_traits", DeviceTraits,
+                      DeviceTraits(supported_dtypes=(torch.float32,), bf16_supported=False, fp16_supported=False))
+    collectives = _checked(registry, record, "devshim_collectives", CollectivesSpec, CollectivesSpec("gloo"))
+    allocator = _checked(registry, record, "devshim_allocator", AllocatorSpec)
+    optimizer = _checked(registry, record, "devshim_optimizer_kernels", OptimizerKernels, OptimizerKernels())
+    attention = _checked(registry, record, "devshim_attention_kernels", AttentionKernels, AttentionKernels())
+    patch_lists = _checked(registry, record, "devshim_patches", list, [])
+    patches = tuple(p for answer in patch_lists for p in (answer or ()))
+    bad = [p for p in patches if not isinstance(p, Patch)]
+    if bad:
+        raise PluginError(f"plugin {record.name!r}: devshim_patches returned non-Patch items {bad!r:.200}.")
+    info = DeviceInfo(plugin=record.name, distribution=record.distribution, version=record.version,
+                      selection_reason=selection.reason, report=record.report)
+    return Device(info, module, traits, collectives, allocator, optimizer, attention, patches)

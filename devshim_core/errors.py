@@ -1,0 +1,23 @@
+"""The errors devshim raises at a user. Each message says what is wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class DevshimError(RuntimeError):
+    """Base class: bad configuration, no usable plugin, unsupported framework version."""
+
+
+class ConfigError(DevshimError):
+    """An environment variable has a value devshim cannot use."""
+
+
+class SelectionError(DevshimError):
+    """No plugin can be selected (unknown or unavailable name, nothing available)."""
+
+
+class PluginError(DevshimError):
+    """The selected plugin broke its contract while the device facade was built."""
+
+
+class PatchError(DevshimError):
+    """A patch set could not be applied (unsupported version, missing target); nothing was left applied."""

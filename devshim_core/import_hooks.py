@@ -1,0 +1,94 @@
+"""Run a callback the moment a given module finishes executing (or now, if it already has).
+
+Frameworks bind references at import time; a patch that must land before those bindings happen
+(DeepSpeed's accelerator before its op builders are bound) is applied from here.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+Callback = Callable[[ModuleType], None]
+
+
+def is_imported(name: str) -> bool:
+    """Whether ``name`` is in ``sys.modules`` and has finished executing."""
+    module = sys.modules.get(name)
+    if module is None:
+        return False
+    spec = getattr(module, "__spec__", None)
+    return not getattr(spec, "_initializing", False)
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, wrapped: importlib.abc.Loader, callbacks: list[Callback]) -> None:
+        self._wrapped = wrapped
+        self._callbacks = callbacks
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._wrapped.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._wrapped.exec_module(module)
+        for callback in self._callbacks:
+            callback(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... for tools that ask
+        return getattr(self._wrapped, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self.pending: dict[str, list[Callback]] = {}
+        self._lock = threading.Lock()
+        self._resolving = threading.local()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.pending or getattr(self._resolving, "active", False):
+            return None
+        self._resolving.active = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._resolving.active = False
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        with self._lock:
+            callbacks = self.pending.pop(fullname, [])
+        if callbacks:
+            spec.loader = _Loader(spec.loader, callbacks)
+        return spec
+
+
+_FINDER = _Finder()
+
+
+def after_import(name: str, callback: Callback) -> bool:
+    """Call ``callback(module)`` once ``name`` has executed. Returns True if it ran right away."""
+    if is_imported(name):
+        callback(sys.modules[name])
+        return True
+    with _FINDER._lock:
+        _FINDER.pending.setdefault(name, []).append(callback)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    return False
+
+
+def cancel(name: str) -> None:
+    """Forget callbacks still waiting for ``name``."""
+    with _FINDER._lock:
+        _FINDER.pending.pop(name, None)

@@ -1,0 +1,1 @@
+"""Framework integrations: each installs its patch sets on top of the device facade."""

@@ -1,0 +1,30 @@
+"""Install the DeepSpeed patch set now, or the moment DeepSpeed's accelerator module is imported."""
+
+from __future__ import annotations
+
+from devshim_core import import_hooks
+from devshim_core.device import Device
+from devshim_core.errors import PatchError
+from devshim_core.integrations.deepspeed.patches import ACCELERATOR_MODULE, DEEPSPEED, DEEPSPEED_PATCHES
+from devshim_core.patching import REGISTRY
+
+
+def install(device: Device) -> str:
+    """Apply (or arm) the DeepSpeed patches; return a one-line status for reports."""
+    problem = DEEPSPEED.problem()
+    if problem is not None:
+        raise PatchError(f"devshim's DeepSpeed integration cannot run: {problem}. Install a supported DeepSpeed "
+                         f"(pip install 'deepspeed{DEEPSPEED.spec}'), or set DEVSHIM_PATCH_DEEPSPEED=0 to run "
+                         "without it.")
+    if REGISTRY.is_applied(DEEPSPEED_PATCHES.name):
+        return "applied"
+    if import_hooks.is_imported(ACCELERATOR_MODULE):
+        REGISTRY.apply(DEEPSPEED_PATCHES, device)
+        return "applied (deepspeed was imported first: import-time references were rebound)"
+    import_hooks.after_import(ACCELERATOR_MODULE, lambda module: REGISTRY.apply(DEEPSPEED_PATCHES, device))
+    return "armed: applied when deepspeed is imported, before its op builders are bound"
+
+
+def uninstall() -> None:
+    import_hooks.cancel(ACCELERATOR_MODULE)
+    REGISTRY.revert(DEEPSPEED_PATCHES.name)

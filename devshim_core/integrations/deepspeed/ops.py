@@ -1,0 +1,96 @@
+"""Python objects with the API of DeepSpeed's compiled ``fused_adam`` and ``cpu_adam`` modules.
+
+``DeepSpeedCPUAdam`` and ``FusedAdam`` users (and ZeRO-Offload) call these functions directly, so the
+signatures, return codes and per-optimizer state follow the compiled modules exactly; the arithmetic is
+the selected plugin's kernel.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from devshim_core.records import FusedAdamW, HostAdamStep
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class FusedAdamOp:
+    """The ``fused_adam`` module API: ``multi_tensor_adam`` over [grads, params, exp_avgs, exp_avg_sqs]."""
+
+    def __init__(self, kernel: FusedAdamW) -> None:
+        self._kernel = kernel
+
+    def multi_tensor_adam(self, chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
+                          lr: float, beta1: float, beta2: float, epsilon: float, step: int, adam_w_mode: int,
+                          bias_correction: int, weight_decay: float, *args: Any) -> None:
+        grads, params, exp_avgs, exp_avg_sqs = tensor_lists
+        if not params:
+            return
+        self._kernel(params, grads, exp_avgs, exp_avg_sqs, step=int(step), lr=lr, beta1=beta1, beta2=beta2,
+                     eps=epsilon, weight_decay=weight_decay, adamw_mode=bool(adam_w_mode),
+                     bias_correction=bool(bias_correction))
+
+
+class HostAdamOp:
+    """The ``cpu_adam`` module API: ``create_adam``, ``adam_update``, ``adam_rollback``, ``destroy_adam``.
+
+    Like the compiled op, errors in an update are reported by the return code (-1, with a message on
+    stderr) rather than raised, and the optimizer's AdamW/Adam mode is fixed at ``create_adam``.
+    """
+
+    def __init__(self, step: HostAdamStep, rollback: HostAdamStep | None) -> None:
+        self._step = step
+        self._rollback = rollback
+        self._adamw_mode: dict[int, bool] = {}  # per optimizer id, fixed at create_adam
+
+    def create_adam(self, optimizer_id: int, lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
+                    eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
+                    should_log: bool = False) -> int:
+        self._adamw_mode[optimizer_id] = bool(adamw_mode)
+        if should_log:
+            mode = "AdamW" if adamw_mode else "Adam"
+            print(f"Adam Optimizer #{optimizer_id} is created with devshim host kernels ({mode}); "
+                  f"lr={lr}, betas=({beta1}, {beta2}), weight_decay={weight_decay}")
+        return 0
+
+    def _run(self, kernel: HostAdamStep | None, what: str, optimizer_id: int, step: int, lr: float, beta1: float,
+             beta2: float, eps: float, weight_decay: float, bias_correction: bool, params: torch.Tensor,
+             grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> int:
+        adamw_mode = self._adamw_mode.get(optimizer_id)
+        problem = None
+        if adamw_mode is None:
+            problem = f"optimizer #{optimizer_id} was not created (call create_adam first)"
+        elif kernel is None:
+            problem = f"the selected devshim plugin provides no host Adam {what} kernel"
+        elif params.dtype not in _DTYPES or exp_avg.dtype not in _DTYPES or exp_avg_sq.dtype != exp_avg.dtype:
+            problem = (f"unsupported dtypes params={params.dtype}, exp_avg={exp_avg.dtype}, "
+                       f"exp_avg_sq={exp_avg_sq.dtype}")
+        elif grads.dtype != params.dtype or params.numel() != grads.numel() or exp_avg.numel() != params.numel() \
+                or exp_avg_sq.numel() != params.numel():
+            problem = "params, grads and states must have the same size, and grads the params' dtype"
+        if problem is not None:
+            print(f"Error in Adam {what} for optimizer #{optimizer_id}: {problem}", file=sys.stderr)
+            return -1
+        assert adamw_mode is not None and kernel is not None
+        kernel(params, grads, exp_avg, exp_avg_sq, step=int(step), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+               weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bool(bias_correction))
+        return 0
+
+    def adam_update(self, optimizer_id: int, step: int, lr: float, beta1: float, beta2: float, eps: float,
+                    weight_decay: float, bias_correction: bool, params: torch.Tensor, grads: torch.Tensor,
+                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> int:
+        return self._run(self._step, "update", optimizer_id, step, lr, beta1, beta2, eps, weight_decay,
+                         bias_correction, params, grads, exp_avg, exp_avg_sq)
+
+    def adam_rollback(self, optimizer_id: int, step: int, lr: float, beta1: float, beta2: float, eps: float,
+                      weight_decay: float, bias_correction: bool, params: torch.Tensor, grads: torch.Tensor,
+                      exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> int:
+        return self._run(self._rollback, "rollback", optimizer_id, step, lr, beta1, beta2, eps, weight_decay,
+                         bias_correction, params, grads, exp_avg, exp_avg_sq)
+
+    def destroy_adam(self, optimizer_id: int) -> int:
+        self._adamw_mode.pop(optimizer_id, None)
+        return 0

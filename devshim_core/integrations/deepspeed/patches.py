@@ -1,0 +1,74 @@
+"""Every change devshim makes to DeepSpeed, declared in one place."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from devshim_core.device import Device
+from devshim_core.patching import PatchSet, RebindReferences, Requirement, SetAttribute
+
+DEEPSPEED = Requirement("deepspeed", ">=0.19,<0.20")
+ACCELERATOR_MODULE = "deepspeed.accelerator.real_accelerator"
+
+
+def _make_accelerator(original: Any, device: Device) -> Any:
+    from devshim_core.integrations.deepspeed.accelerator import DevshimAccelerator
+
+    accelerator = DevshimAccelerator(device)
+    accelerator._devshim_replaced = original  # what import-time bindings may still point at
+    return accelerator
+
+
+def _deepspeed_namespaces() -> Iterator[dict[str, Any]]:
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "deepspeed" or name.startswith("deepspeed.")):
+            yield vars(module)
+
+
+def _stale_pairs(device: Device) -> list[tuple[Any, Any]]:
+    """(old, new) for what ``import deepspeed`` bound from the accelerator it had before devshim's."""
+    new = sys.modules[ACCELERATOR_MODULE].ds_accelerator
+    old = getattr(new, "_devshim_replaced", None)
+    if old is None:
+        return []
+    pairs: list[tuple[Any, Any]] = []
+    op_builders = sys.modules.get("deepspeed.ops.op_builder")
+    if op_builders is not None:
+        for name, value in vars(op_builders).items():
+            if name.endswith("Builder") and name not in ("OpBuilder", "CUDAOpBuilder") and value is not None:
+                pairs.append((value, new.get_op_builder(name)))
+    for namespace in _deepspeed_namespaces():
+        for value in namespace.values():
+            if inspect.ismethod(value) and value.__self__ is old:
+                pairs.append((value, getattr(new, value.__name__)))
+            elif (isinstance(value, functools.partial) and value.keywords.get("device_type") == old._name
+                  and old._name != new._name):
+                pairs.append((value, functools.partial(value.func, *value.args,
+                                                       **{**value.keywords, "device_type": new._name})))
+    return pairs
+
+
+DEEPSPEED_PATCHES = PatchSet(
+    name="deepspeed",
+    requires=(DEEPSPEED,),
+    reason="run DeepSpeed on the device of the selected devshim plugin",
+    patches=(
+        SetAttribute(
+            name="accelerator",
+            target=f"{ACCELERATOR_MODULE}:ds_accelerator",
+            make=_make_accelerator,
+            reason="get_accelerator() returns devshim's accelerator (DS_ACCELERATOR only knows in-tree devices)",
+        ),
+        RebindReferences(
+            name="stale-accelerator-references",
+            scope="deepspeed",
+            pairs=_stale_pairs,
+            reason="import deepspeed binds op-builder classes, accelerator methods and autocast partials from the "
+                   "accelerator it auto-detected; without this FusedAdam/CPUAdam would JIT-compile the CPU ops",
+        ),
+    ),
+)

@@ -1,0 +1,279 @@
+"""Declared patches: each names its target, the versions it is valid for and why it exists.
+
+Patches are grouped in :class:`PatchSet` s that are applied all-or-nothing, idempotently, reversibly,
+and recorded in the process-wide :data:`REGISTRY` that ``devshim info`` lists. Declaring a patch
+changes nothing; only :meth:`PatchRegistry.apply` does, and only ``devshim_core.auto`` calls it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as metadata
+import re
+import sys
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from devshim_core.errors import PatchError
+
+if TYPE_CHECKING:
+    from devshim_core.device import Device
+
+Undo = Callable[[], None]
+
+# -- version ranges ----------------------------------------------------------------------------
+
+_CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*([0-9][0-9A-Za-z.+-]*)\s*$")
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The numeric release part of a version string: '0.19.8+cpu' -> (0, 19, 8)."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = re.match(r"\d+", piece)
+        if not digits:
+            break
+        parts.append(int(digits.group()))
+        if digits.group() != piece:  # '0rc1': pre-release of this number, stop here
+            break
+    return tuple(parts)
+
+
+def _cmp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    width = max(len(a), len(b))
+    a, b = a + (0,) * (width - len(a)), b + (0,) * (width - len(b))
+    return (a > b) - (a < b)
+
+
+def version_in_range(version: str, spec: str) -> bool:
+    """Whether ``version`` satisfies ``spec`` (comma-separated clauses such as '>=0.19,<0.20')."""
+    have = release(version)
+    for clause in spec.split(","):
+        match = _CLAUSE.match(clause)
+        if not match:
+            raise ValueError(f"bad version clause {clause!r} in {spec!r}")
+        op, bound = match.group(1), release(match.group(2))
+        c = _cmp(have, bound)
+        ok = {">=": c >= 0, "<=": c <= 0, "==": c == 0, "!=": c != 0, ">": c > 0, "<": c < 0}[op]
+        if not ok:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A distribution and the version range a patch set was written and tested for."""
+
+    distribution: str
+    spec: str
+
+    def installed(self) -> str | None:
+        try:
+            return metadata.version(self.distribution)
+        except metadata.PackageNotFoundError:
+            return None
+
+    def problem(self) -> str | None:
+        version = self.installed()
+        if version is None:
+            return f"{self.distribution} is not installed"
+        if not version_in_range(version, self.spec):
+            return f"{self.distribution} {version} is installed, but this patch set supports {self.spec}"
+        return None
+
+
+# -- patches -----------------------------------------------------------------------------------
+
+
+def resolve_target(target: str) -> tuple[Any, str]:
+    """'pkg.mod:Cls.attr' -> (the object holding the attribute, 'attr'). Imports ``pkg.mod``."""
+    module_name, _, path = target.partition(":")
+    if not path:
+        raise ValueError(f"patch target {target!r} must look like 'package.module:attribute'")
+    owner: Any = importlib.import_module(module_name)
+    *parents, attr = path.split(".")
+    for part in parents:
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+_MISSING = object()
+
+
+class Patch(ABC):
+    """One change to the running program, with how to undo it."""
+
+    name: str
+    reason: str
+
+    @abstractmethod
+    def target_description(self) -> str: ...
+
+    @abstractmethod
+    def apply(self, device: Device) -> tuple[Undo, str]:
+        """Make the change; return how to undo it and a one-line account of what was done."""
+
+
+@dataclass(frozen=True)
+class SetAttribute(Patch):
+    """Replace ``target`` with ``make(original, device)`` (``original`` is ``None`` if it did not exist)."""
+
+    name: str
+    target: str
+    make: Callable[[Any, Device], Any]
+    reason: str
+
+    def target_description(self) -> str:
+        return self.target
+
+    def apply(self, device: Device) -> tuple[Undo, str]:
+        owner, attr = resolve_target(self.target)
+        original = owner.__dict__.get(attr, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, attr)
+        replacement = self.make(None if original is _MISSING else original, device)
+        setattr(owner, attr, replacement)
+
+        def undo() -> None:
+            if original is _MISSING:
+                if attr in getattr(owner, "__dict__", {}):
+                    delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+
+        return undo, f"{self.target} set"
+
+
+@dataclass(frozen=True)
+class RebindReferences(Patch):
+    """Find module-level names under ``scope`` that *are* (by identity) an old object and point them at its
+    replacement: ``from x import f`` copies and aliases survive a plain attribute patch otherwise.
+
+    ``pairs(device)`` returns the (old, new) objects; modules are scanned with ``vars()`` (never
+    ``getattr``: module ``__getattr__`` hooks have side effects).
+    """
+
+    name: str
+    scope: str
+    pairs: Callable[[Device], Iterable[tuple[Any, Any]]]
+    reason: str
+
+    def target_description(self) -> str:
+        return f"{self.scope}.* (stale references)"
+
+    def apply(self, device: Device) -> tuple[Undo, str]:
+        # values that are not unique objects (None, small ints, interned strings) cannot be matched by identity
+        mapping = {id(old): (old, new) for old, new in self.pairs(device)
+                   if old is not new and old is not None and not isinstance(old, (bool, int, float, str, bytes))}
+        done: list[tuple[Any, str, Any]] = []
+        if mapping:
+            prefix = self.scope + "."
+            for module_name, module in list(sys.modules.items()):
+                if module is None or not (module_name == self.scope or module_name.startswith(prefix)):
+                    continue
+                namespace = vars(module)
+                for key, value in list(namespace.items()):
+                    hit = mapping.get(id(value))
+                    if hit is not None and hit[0] is value:
+                        namespace[key] = hit[1]
+                        done.append((namespace, key, value))
+
+        def undo() -> None:
+            for namespace, key, value in reversed(done):
+                namespace[key] = value
+
+        return undo, f"{len(done)} references rebound"
+
+
+@dataclass(frozen=True)
+class PatchSet:
+    """Patches that only make sense together, for the versions in ``requires``."""
+
+    name: str
+    requires: tuple[Requirement, ...]
+    patches: Sequence[Patch]
+    reason: str
+
+
+@dataclass
+class AppliedPatch:
+    patch: Patch
+    detail: str
+    undo: Undo = field(repr=False)
+
+
+@dataclass
+class AppliedPatchSet:
+    patch_set: PatchSet
+    applied: list[AppliedPatch]
+    versions: dict[str, str | None]
+
+
+class PatchRegistry:
+    """What is applied in this process, in order; the single place that changes anything."""
+
+    def __init__(self) -> None:
+        self._applied: dict[str, AppliedPatchSet] = {}
+        self._lock = threading.RLock()
+
+    def is_applied(self, name: str) -> bool:
+        return name in self._applied
+
+    def check(self, patch_set: PatchSet) -> list[str]:
+        return [p for p in (r.problem() for r in patch_set.requires) if p]
+
+    def apply(self, patch_set: PatchSet, device: Device) -> AppliedPatchSet:
+        """Apply every patch of ``patch_set`` or none of them. Applying an applied set does nothing."""
+        with self._lock:
+            if patch_set.name in self._applied:
+                return self._applied[patch_set.name]
+            problems = self.check(patch_set)
+            if problems:
+                raise PatchError(f"cannot apply devshim's {patch_set.name!r} patches: {'; '.join(problems)}.")
+            applied: list[AppliedPatch] = []
+            for patch in patch_set.patches:
+                try:
+                    undo, detail = patch.apply(device)
+                except Exception as exc:
+                    for done in reversed(applied):
+                        done.undo()
+                    raise PatchError(f"patch {patch.name!r} ({patch.target_description()}) of set "
+                                     f"{patch_set.name!r} failed: {type(exc).__name__}: {exc}. "
+                                     "Nothing of this set was left applied.") from exc
+                applied.append(AppliedPatch(patch, detail, undo))
+            record = AppliedPatchSet(patch_set, applied,
+                                     {r.distribution: r.installed() for r in patch_set.requires})
+            self._applied[patch_set.name] = record
+            return record
+
+    def revert(self, name: str) -> bool:
+        with self._lock:
+            record = self._applied.pop(name, None)
+            if record is None:
+                return False
+            for done in reversed(record.applied):
+                done.undo()
+            return True
+
+    def revert_all(self) -> None:
+        for name in reversed(list(self._applied)):
+            self.revert(name)
+
+    def report(self) -> list[dict[str, Any]]:
+        rows = []
+        for record in self._applied.values():
+            for done in record.applied:
+                rows.append({
+                    "set": record.patch_set.name,
+                    "name": done.patch.name,
+                    "target": done.patch.target_description(),
+                    "reason": done.patch.reason,
+                    "detail": done.detail,
+                    "requires": {r.distribution: r.spec for r in record.patch_set.requires},
+                    "versions": record.versions,
+                })
+        return rows
+
+
+REGISTRY = PatchRegistry()

@@ -1,0 +1,229 @@
+"""Small typed records that plugins return from their hooks and that the core passes along.
+
+Plugins build these; the core validates them (a plugin that returns something else is recorded as
+broken, not trusted). Everything here is plain data or plain callables, so that the facade can bind
+each callable once and the frameworks call the vendor's function with no dispatch in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    """What a plugin found on this machine (the answer to ``devshim_detect``).
+
+    ``reason`` is always filled: why the device is usable ("torch_npu 2.13.0, 8 devices") or why not
+    ("torch_npu is not installed"). ``priority`` orders available plugins: higher wins; the
+    always-available CPU fallback uses the lowest.
+    """
+
+    available: bool
+    reason: str
+    device_type: str
+    device_count: int = 0
+    priority: int = 0
+
+    def validate(self) -> None:
+        if not isinstance(self.available, bool):
+            raise TypeError(f"available must be a bool, got {self.available!r}")
+        if not isinstance(self.reason, str) or not self.reason:
+            raise TypeError(f"reason must be a non-empty str, got {self.reason!r}")
+        if not isinstance(self.device_type, str) or not self.device_type.isidentifier():
+            raise TypeError(f"device_type must be a torch device type such as 'npu', got {self.device_type!r}")
+        if not isinstance(self.device_count, int) or isinstance(self.device_count, bool) or self.device_count < 0:
+            raise TypeError(f"device_count must be an int >= 0, got {self.device_count!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise TypeError(f"priority must be an int, got {self.priority!r}")
+        if self.available and self.device_count < 1:
+            raise ValueError("an available device must report device_count >= 1")
+
+
+@runtime_checkable
+class DeviceModule(Protocol):
+    """The torch-style device module a plugin serves (``torch.npu``, ``torch.tpu`` or its own).
+
+    It follows ``torch.cuda``'s names and signatures, so a vendor plugin can usually return the
+    vendor's module as it is and wrap only what differs.
+    """
+
+    def is_available(self) -> bool: ...
+    def device_count(self) -> int: ...
+    def current_device(self) -> int: ...
+    def set_device(self, device: Any) -> None: ...
+    def synchronize(self, device: Any = None) -> None: ...
+    def manual_seed(self, seed: int) -> None: ...
+    def manual_seed_all(self, seed: int) -> None: ...
+    def initial_seed(self) -> int: ...
+    def get_rng_state(self, device: Any = ...) -> Any: ...
+    def set_rng_state(self, new_state: Any, device: Any = ...) -> None: ...
+    def current_stream(self, device: Any = None) -> Any: ...
+    def default_stream(self, device: Any = None) -> Any: ...
+    def stream(self, stream: Any) -> Any: ...
+
+
+#: Attribute names every device module must provide (checked when the facade is built).
+DEVICE_MODULE_API: tuple[str, ...] = (
+    "is_available",
+    "device_count",
+    "current_device",
+    "set_device",
+    "synchronize",
+    "manual_seed",
+    "manual_seed_all",
+    "initial_seed",
+    "get_rng_state",
+    "set_rng_state",
+    "Stream",
+    "Event",
+    "stream",
+    "current_stream",
+    "default_stream",
+)
+
+
+@dataclass(frozen=True)
+class DeviceTraits:
+    """Facts about the device that change how frameworks drive it (``devshim_device_traits``).
+
+    ``host_synchronous``: kernels complete before the call returns (CPU); DeepSpeed then uses host timers
+    and skips side streams. ``int64_supported``: False where the vendor narrows int64 to int32 (Sophgo).
+    ``streams``: False where the device has no usable stream/event API (frameworks get no-op stand-ins).
+    """
+
+    supported_dtypes: tuple[Any, ...]
+    bf16_supported: bool
+    fp16_supported: bool
+    fp64_supported: bool = True
+    host_synchronous: bool = False
+    streams: bool = True
+    int64_supported: bool = True
+    pin_memory: bool = True
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class CollectivesSpec:
+    """How ranks talk on this device (``devshim_collectives``).
+
+    ``backend``: the ``torch.distributed`` backend name (``gloo``, ``hccl``, ``sccl``).
+    ``init_kwargs``: extra keyword arguments for ``init_process_group`` (e.g. vendor ``pg_options``).
+    ``export_env_prefixes``: environment-variable prefixes a launcher must forward to remote ranks.
+    ``visible_devices_envs``: variables that restrict which devices a rank sees, first one canonical.
+    ``prepare``: called once in each process before the process group is created (register an
+    out-of-tree backend, set vendor environment); ``None`` when nothing is needed.
+    """
+
+    backend: str
+    init_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    export_env_prefixes: tuple[str, ...] = ()
+    visible_devices_envs: tuple[str, ...] = ()
+    prepare: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class AllocatorSpec:
+    """Memory accounting and allocator control (``devshim_allocator``).
+
+    Every callable takes an optional device index, like ``torch.cuda``'s. ``config_env``: the variable
+    the vendor allocator reads its settings from (``PYTORCH_NPU_ALLOC_CONF``), or ``None``.
+    ``validate_config``: raises ``ValueError`` with an actionable message for a bad settings string.
+    """
+
+    memory_allocated: Callable[..., int]
+    max_memory_allocated: Callable[..., int]
+    memory_reserved: Callable[..., int]
+    max_memory_reserved: Callable[..., int]
+    reset_peak_memory_stats: Callable[..., None]
+    memory_stats: Callable[..., Mapping[str, Any]]
+    empty_cache: Callable[[], None]
+    total_memory: Callable[..., int]
+    available_memory: Callable[..., int]
+    config_env: str | None = None
+    validate_config: Callable[[str], None] | None = None
+
+
+class FusedAdamW(Protocol):
+    """Multi-tensor Adam/AdamW over device tensors, updated in place.
+
+    ``step`` is the step number after this update (1 for the first). ``adamw_mode`` selects decoupled
+    weight decay (AdamW) over L2 added to the gradient (Adam). Bias correction, when on, is
+    ``1 - beta ** step`` exactly as ``torch.optim.AdamW``.
+    """
+
+    def __call__(
+        self,
+        params: Sequence[Any],
+        grads: Sequence[Any],
+        exp_avgs: Sequence[Any],
+        exp_avg_sqs: Sequence[Any],
+        *,
+        step: int,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        adamw_mode: bool,
+        bias_correction: bool,
+    ) -> None: ...
+
+
+class HostAdamStep(Protocol):
+    """One Adam/AdamW step on host tensors for optimizer offload, in place; same arguments as one
+    tensor of :class:`FusedAdamW`. Params may be fp32, bf16 or fp16; states fp32 or the param dtype."""
+
+    def __call__(
+        self,
+        param: Any,
+        grad: Any,
+        exp_avg: Any,
+        exp_avg_sq: Any,
+        *,
+        step: int,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        adamw_mode: bool,
+        bias_correction: bool,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class OptimizerKernels:
+    """Optimizer kernels (``devshim_optimizer_kernels``).
+
+    ``fused_adamw`` runs on the device; ``host_adam_step`` / ``host_adam_rollback`` run on the host for
+    ZeRO-Offload whatever the device (rollback undoes exactly one step, given the same gradient).
+    ``None`` means the plugin has no such kernel: frameworks then keep their own (and may compile it).
+    """
+
+    fused_adamw: FusedAdamW | None = None
+    host_adam_step: HostAdamStep | None = None
+    host_adam_rollback: HostAdamStep | None = None
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """Attention and the fused ops that ride with it (``devshim_attention_kernels``), each ``None`` when
+    the plugin has no such op. The signatures are PyTorch's conventions, whatever the vendor's are:
+
+    - ``attention(q, k, v, *, layout, num_heads=None, attn_mask=None, mask_true_means_masked=False, causal=False,
+      dropout_p=0.0, scale=None, cu_seqlens_q=None, cu_seqlens_kv=None) -> Tensor``; ``scale=None`` means
+      ``1/sqrt(head_dim)``; layouts ``BNSD``, ``BSND``, ``BSH``, ``SBH``, ``TND``.
+    - ``rms_norm(x, weight, eps) -> Tensor``
+    - ``swiglu(x) -> Tensor`` = ``silu(a) * b`` for ``a, b = x.chunk(2, -1)``
+    - ``rotary(x, cos, sin, *, interleaved=False) -> Tensor``
+    """
+
+    attention: Callable[..., Any] | None = None
+    rms_norm: Callable[..., Any] | None = None
+    swiglu: Callable[..., Any] | None = None
+    rotary: Callable[..., Any] | None = None
+    source: str = ""

@@ -1,0 +1,101 @@
+"""One activation per process: detect -> select -> build the device facade -> install the integrations."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import importlib.util
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from devshim_core.device import Device, build_device
+from devshim_core.patching import REGISTRY, PatchSet
+from devshim_core.plugins import PluginRegistry, discover
+from devshim_core.selection import Selection, select
+from devshim_core.settings import Settings
+
+
+@dataclass
+class Session:
+    settings: Settings
+    registry: PluginRegistry
+    selection: Selection
+    device: Device
+    integrations: dict[str, str] = field(default_factory=dict)
+
+
+_lock = threading.RLock()
+_active: Session | None = None
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _install_integrations(session: Session) -> None:
+    settings, device = session.settings, session.device
+    if device.patches:
+        plugin_set = PatchSet(name=f"plugin:{device.plugin}", requires=(), patches=device.patches,
+                              reason=f"device gaps handled by the {device.plugin} plugin")
+        REGISTRY.apply(plugin_set, device)
+        session.integrations[plugin_set.name] = f"applied ({len(device.patches)} patches)"
+
+    if installed_version("deepspeed") is None or importlib.util.find_spec("deepspeed") is None:
+        session.integrations["deepspeed"] = "skipped: deepspeed is not installed"
+    elif not settings.patch_deepspeed:
+        session.integrations["deepspeed"] = "skipped: DEVSHIM_PATCH_DEEPSPEED=0"
+    else:
+        from devshim_core.integrations.deepspeed.install import install
+
+        session.integrations["deepspeed"] = install(device)
+
+    if installed_version("megatron-core") is None:
+        session.integrations["megatron"] = "skipped: megatron-core is not installed"
+    elif not settings.patch_megatron:
+        session.integrations["megatron"] = "skipped: DEVSHIM_PATCH_MEGATRON=0"
+    else:
+        session.integrations["megatron"] = "not integrated yet: this devshim version patches DeepSpeed only"
+
+
+def activate(environ: Mapping[str, str] | None = None, extra_plugins: Any = ()) -> Session:
+    """Activate devshim in this process (idempotent: a second call returns the first session)."""
+    global _active
+    with _lock:
+        if _active is not None:
+            return _active
+        settings = Settings.from_env(environ)
+        registry = discover(settings, extra_plugins)
+        selection = select(registry, settings)
+        device = build_device(registry, selection)
+        device.prepare_process()
+        session = Session(settings, registry, selection, device)
+        try:
+            _install_integrations(session)
+        except BaseException:
+            deactivate_integrations()
+            raise
+        _active = session
+        return session
+
+
+def current() -> Session | None:
+    return _active
+
+
+def deactivate_integrations() -> None:
+    from devshim_core.integrations.deepspeed.install import uninstall
+
+    uninstall()
+    REGISTRY.revert_all()
+
+
+def deactivate() -> None:
+    """Revert every patch and forget the session (for tests and embedding)."""
+    global _active
+    with _lock:
+        deactivate_integrations()
+        _active = None

@@ -1,0 +1,74 @@
+"""devshim's reference plugin: the CPU as a device. Always available, lowest priority.
+
+Every rank of a job shares the host; ``device_count`` is how many ranks a launcher may place on it
+(DEVSHIM_CPU_DEVICE_COUNT, else the launcher's local world size, else 1).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import devshim_kernels
+import torch
+
+from devshim_core import (
+    AllocatorSpec,
+    AttentionKernels,
+    CollectivesSpec,
+    DeviceReport,
+    DeviceTraits,
+    OptimizerKernels,
+    hookimpl,
+)
+from devshim_cpu_reference import memory
+from devshim_cpu_reference.device_module import CpuDeviceModule, configured_device_count
+
+PRIORITY = -1000  # the fallback: any other available plugin wins
+
+
+@hookimpl
+def devshim_detect() -> DeviceReport:
+    count, source = configured_device_count()
+    return DeviceReport(available=True, reason=f"the host CPU is always available ({count} device slots, {source})",
+                        device_type="cpu", device_count=count, priority=PRIORITY)
+
+
+@hookimpl
+def devshim_device_module(report: DeviceReport) -> CpuDeviceModule:
+    return CpuDeviceModule(report.device_count)
+
+
+@hookimpl
+def devshim_device_traits(report: DeviceReport) -> DeviceTraits:
+    return DeviceTraits(
+        supported_dtypes=(torch.float32, torch.bfloat16, torch.float16),
+        bf16_supported=True,
+        fp16_supported=True,
+        host_synchronous=True,
+        streams=True,
+        pin_memory=False,  # host memory is the device memory: nothing to page-lock
+        name=platform.processor() or platform.machine() or "CPU",
+    )
+
+
+@hookimpl
+def devshim_collectives(report: DeviceReport) -> CollectivesSpec:
+    return CollectivesSpec(backend="gloo", export_env_prefixes=("OMP", "KMP"),
+                           visible_devices_envs=("DEVSHIM_CPU_VISIBLE_DEVICES",))
+
+
+@hookimpl
+def devshim_allocator(report: DeviceReport) -> AllocatorSpec:
+    return memory.allocator_spec()
+
+
+@hookimpl
+def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels:
+    return OptimizerKernels(fused_adamw=devshim_kernels.fused_adamw, host_adam_step=devshim_kernels.host_adam_step,
+                            host_adam_rollback=devshim_kernels.host_adam_rollback, source="devshim_kernels")
+
+
+@hookimpl
+def devshim_attention_kernels(report: DeviceReport) -> AttentionKernels:
+    return AttentionKernels(attention=devshim_kernels.attention, rms_norm=devshim_kernels.rms_norm,
+                            swiglu=devshim_kernels.swiglu, rotary=devshim_kernels.rotary, source="devshim_kernels")

@@ -1,0 +1,88 @@
+"""A ``torch.cuda``-shaped module for the host CPU."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from devshim_core.errors import ConfigError
+
+
+def configured_device_count() -> tuple[int, str]:
+    """How many device slots the CPU offers, and where that number came from."""
+    raw = os.environ.get("DEVSHIM_CPU_DEVICE_COUNT", "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ConfigError(f"DEVSHIM_CPU_DEVICE_COUNT={raw!r} must be a positive integer (ranks per host).")
+        return int(raw), "DEVSHIM_CPU_DEVICE_COUNT"
+    visible = os.environ.get("DEVSHIM_CPU_VISIBLE_DEVICES", "").strip()
+    if visible:
+        return len([v for v in visible.split(",") if v.strip()]), "DEVSHIM_CPU_VISIBLE_DEVICES"
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value), name
+    return 1, "default; set DEVSHIM_CPU_DEVICE_COUNT for more ranks per host"
+
+
+def _local_rank() -> int:
+    value = os.environ.get("LOCAL_RANK", "0")
+    return int(value) if value.isdigit() else 0
+
+
+class CpuDeviceModule:
+    """Device selection is bookkeeping (every rank uses the one host); RNG is torch's CPU generator;
+    streams and events are ``torch.cpu``'s, which complete synchronously."""
+
+    Stream = torch.cpu.Stream
+    Event = torch.cpu.Event if hasattr(torch.cpu, "Event") else torch.Event
+    default_generators = (torch.default_generator,)
+
+    def __init__(self, count: int) -> None:
+        self._count = count
+        self._current: int | None = None
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return self._count
+
+    def current_device(self) -> int:
+        return _local_rank() if self._current is None else self._current
+
+    def set_device(self, device: Any) -> None:
+        index = device.index if isinstance(device, torch.device) else device
+        self._current = 0 if index is None else int(index)
+
+    def synchronize(self, device: Any = None) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def initial_seed(self) -> int:
+        return torch.initial_seed()
+
+    def seed(self) -> int:
+        return torch.seed()
+
+    def get_rng_state(self, device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(new_state)
+
+    def stream(self, stream: Any) -> Any:
+        return torch.cpu.stream(stream)
+
+    def current_stream(self, device: Any = None) -> Any:
+        return torch.cpu.current_stream(device)
+
+    def default_stream(self, device: Any = None) -> Any:
+        return torch.cpu.current_stream(device)
