@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml require
 
 demo: $(STAMP)
 	$(VENV)/bin/devshim info
-	$(VENV)/bin/deepspeed --num_gpus 2 --master_port $${DEMO_PORT:-29511} examples/train_gpt.py --zero-stage 2 --steps $${DEMO_STEPS:-30}
+	# DEVSHIM_AUTO=1 covers the launcher process too: it sizes the job with devshim's device_count()
+	DEVSHIM_AUTO=1 DEVSHIM_CPU_DEVICE_COUNT=$${DEMO_RANKS:-2} OMP_NUM_THREADS=1 $(VENV)/bin/deepspeed \
+		--master_port $${DEMO_PORT:-29511} examples/train_gpt.py --zero-stage 2 --steps $${DEMO_STEPS:-30}
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

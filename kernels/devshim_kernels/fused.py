@@ -10,11 +10,8 @@ Tensor = torch.Tensor
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float = 1e-6) -> Tensor:
     """``x / sqrt(mean(x**2, -1) + eps) * weight``, accumulated in fp32, returned in ``x.dtype``."""
-    if hasattr(F, "rms_norm"):
-        y = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-    else:
-        xf = x.float()
-        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return y if weight is None else y * weight
 
 
