@@ -1,4 +1,4 @@
-"""Run by ``devshim-auto.pth`` at interpreter start-up when DEVSHIM_AUTO is set (launchers, spawned workers).
+"""Run by ``devshim-auto.pth`` at interpreter start-up when DEVSHIM_AUTO is on (launchers, spawned workers).
 
 A failure here must not take down every Python process of the environment (pip included): it is
 printed, and the user's own ``import devshim_core.auto`` raises it again with the full traceback.
@@ -7,6 +7,9 @@ printed, and the user's own ``import devshim_core.auto`` raises it again with th
 import sys
 
 try:
-    import devshim_core.auto  # noqa: F401
+    from devshim_core.settings import parse_bool
+
+    if parse_bool(__import__("os").environ, "DEVSHIM_AUTO", False):
+        import devshim_core.auto  # noqa: F401
 except Exception as exc:
     print(f"devshim: DEVSHIM_AUTO is set but activation failed: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -6,7 +6,6 @@ Each operation is the plugin's own callable bound as an attribute, so a framewor
 
 from __future__ import annotations
 
-import contextlib
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -14,10 +13,12 @@ from typing import Any
 import torch
 
 from devshim_core.errors import PluginError
+from devshim_core.host_streams import HostEvent, HostStream, HostStreams
 from devshim_core.patching import Patch
 from devshim_core.plugins import PluginRecord, PluginRegistry
 from devshim_core.records import (
     DEVICE_MODULE_API,
+    STREAM_API,
     AllocatorSpec,
     AttentionKernels,
     CollectivesSpec,
@@ -26,34 +27,6 @@ from devshim_core.records import (
     OptimizerKernels,
 )
 from devshim_core.selection import Selection
-
-
-class _NoStream:
-    """Stand-in stream/event for devices without them: every operation completes immediately."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> _NoStream:
-        return self
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
 
 
 @dataclass(frozen=True)
@@ -100,10 +73,12 @@ class Device:
             self.stream = module.stream
             self.current_stream = module.current_stream
             self.default_stream = module.default_stream
-        else:
-            self.Stream = self.Event = _NoStream
-            self.stream = lambda stream=None: contextlib.nullcontext()
-            self.current_stream = self.default_stream = lambda device=None: _NoStream()
+        else:  # host-synchronous bookkeeping: contexts and timings are real, waits are already satisfied
+            streams = HostStreams()
+            self.Stream, self.Event = HostStream, HostEvent
+            self.stream = streams.stream
+            self.current_stream = streams.current_stream
+            self.default_stream = streams.default_stream
 
         # allocator
         self.memory_allocated = allocator.memory_allocated
@@ -173,12 +148,13 @@ def build_device(registry: PluginRegistry, selection: Selection) -> Device:
     """Ask the selected plugin for its answers, validate them and bind them into one :class:`Device`."""
     record = selection.plugin
     assert record.report is not None
-    module = _checked(registry, record, "devshim_device_module", None)
-    missing = [name for name in DEVICE_MODULE_API if not hasattr(module, name)]
-    if missing:
-        raise PluginError(f"plugin {record.name!r}: the device module lacks {', '.join(missing)}.")
     traits = _checked(registry, record, "devshim_device_traits", DeviceTraits,
                       DeviceTraits(supported_dtypes=(torch.float32,), bf16_supported=False, fp16_supported=False))
+    module = _checked(registry, record, "devshim_device_module", None)
+    required = DEVICE_MODULE_API + (STREAM_API if traits.streams else ())
+    missing = [name for name in required if not hasattr(module, name)]
+    if missing:
+        raise PluginError(f"plugin {record.name!r}: the device module lacks {', '.join(missing)}.")
     collectives = _checked(registry, record, "devshim_collectives", CollectivesSpec, CollectivesSpec("gloo"))
     allocator = _checked(registry, record, "devshim_allocator", AllocatorSpec)
     optimizer = _checked(registry, record, "devshim_optimizer_kernels", OptimizerKernels, OptimizerKernels())

@@ -27,16 +27,20 @@ def is_imported(name: str) -> bool:
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, wrapped: importlib.abc.Loader, callbacks: list[Callback]) -> None:
+    def __init__(self, wrapped: importlib.abc.Loader, name: str) -> None:
         self._wrapped = wrapped
-        self._callbacks = callbacks
+        self._name = name
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._wrapped.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._wrapped.exec_module(module)
-        for callback in self._callbacks:
+        # taken only now, not when the spec was found: a probe (importlib.util.find_spec) that never
+        # executes the module must not consume them, and a failed import leaves them waiting
+        with _FINDER._lock:
+            callbacks = _FINDER.pending.pop(self._name, [])
+        for callback in callbacks:
             callback(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... for tools that ask
@@ -66,10 +70,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             self._resolving.active = False
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        with self._lock:
-            callbacks = self.pending.pop(fullname, [])
-        if callbacks:
-            spec.loader = _Loader(spec.loader, callbacks)
+        spec.loader = _Loader(spec.loader, fullname)
         return spec
 
 

@@ -119,7 +119,8 @@ class Patch(ABC):
 
 @dataclass(frozen=True)
 class SetAttribute(Patch):
-    """Replace ``target`` with ``make(original, device)`` (``original`` is ``None`` if it did not exist)."""
+    """Replace ``target`` with ``make(original, device)`` (``original`` is ``None`` if it did not exist; for a
+    class, an attribute inherited from a base counts, and revert removes the override)."""
 
     name: str
     target: str
@@ -132,7 +133,10 @@ class SetAttribute(Patch):
     def apply(self, device: Device) -> tuple[Undo, str]:
         owner, attr = resolve_target(self.target)
         original = owner.__dict__.get(attr, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, attr)
-        replacement = self.make(None if original is _MISSING else original, device)
+        current = original
+        if original is _MISSING and isinstance(owner, type):  # inherited: make() wraps what lookups find
+            current = getattr(owner, attr, None)
+        replacement = self.make(None if current is _MISSING else current, device)
         setattr(owner, attr, replacement)
 
         def undo() -> None:

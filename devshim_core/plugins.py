@@ -136,7 +136,9 @@ class PluginRegistry:
     def detect(self, record: PluginRecord) -> None:
         try:
             report = self.call(record, "devshim_detect")
-        except Exception as exc:
+        except BaseException as exc:  # like import: a plugin's sys.exit() must not end discovery (or pip)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             record.error = f"detection raised {_short_error(exc)}"
             record.error_detail = traceback.format_exc()
             return

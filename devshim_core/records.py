@@ -77,12 +77,9 @@ DEVICE_MODULE_API: tuple[str, ...] = (
     "initial_seed",
     "get_rng_state",
     "set_rng_state",
-    "Stream",
-    "Event",
-    "stream",
-    "current_stream",
-    "default_stream",
 )
+#: ... and, unless its traits say ``streams=False``, these.
+STREAM_API: tuple[str, ...] = ("Stream", "Event", "stream", "current_stream", "default_stream")
 
 
 @dataclass(frozen=True)
@@ -91,7 +88,8 @@ class DeviceTraits:
 
     ``host_synchronous``: kernels complete before the call returns (CPU); DeepSpeed then uses host timers
     and skips side streams. ``int64_supported``: False where the vendor narrows int64 to int32 (Sophgo).
-    ``streams``: False where the device has no usable stream/event API (frameworks get no-op stand-ins).
+    ``streams``: False where the device has no stream/event API of its own: frameworks then get host-side
+    streams and events whose waits are already satisfied (right for host-synchronous devices).
     """
 
     supported_dtypes: tuple[Any, ...]

@@ -33,9 +33,12 @@ def _rank_key(record: PluginRecord) -> tuple[int, str]:
 
 def select(registry: PluginRegistry, settings: Settings) -> Selection:
     """Choose the plugin to run on, or raise :class:`SelectionError` listing every plugin and why."""
-    for name in (*settings.allowlist, *((settings.forced,) if settings.forced else ())):
+    named = [("DEVSHIM_PLUGINS", name) for name in settings.allowlist]
+    if settings.forced:
+        named.append(("DEVSHIM_PLUGIN", settings.forced))
+    for variable, name in named:
         if name not in registry.records:
-            raise SelectionError(f"DEVSHIM_PLUGINS/DEVSHIM_PLUGIN name {name!r}, which is not installed. "
+            raise SelectionError(f"{variable} names {name!r}, which is not an installed devshim plugin. "
                                  f"Installed plugins:\n{describe_plugins(registry)}")
     if settings.forced:
         record = registry.records[settings.forced]

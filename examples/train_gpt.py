@@ -3,14 +3,30 @@
 Run it with either launcher, e.g.
     deepspeed --num_gpus 2 examples/train_gpt.py --zero-stage 2
     torchrun --nproc-per-node 2 examples/train_gpt.py --zero-stage 3 --bf16
+    DEVSHIM_AUTO=1 DEVSHIM_CPU_DEVICE_COUNT=2 deepspeed examples/train_gpt.py  # the launcher sizes the job
 Generated data (a noisy affine token sequence a model can learn), no downloads. Rank 0 prints the loss
 per step and tokens/s, and writes a JSON report with ``--report``.
+
+devshim's line comes first here. Scripts that already ``import deepspeed`` before it work too: set
+DEVSHIM_EXAMPLE_IMPORT_DEEPSPEED_FIRST=1 to run this one in that order.
 """
+
+# ruff: noqa: E402  (the import order below is the point: devshim's line precedes DeepSpeed's)
+import os
+import sys
+
+if os.environ.get("DEVSHIM_EXAMPLE_IMPORT_DEEPSPEED_FIRST", "").strip() not in ("", "0"):
+    import deepspeed  # DeepSpeed auto-detects its own accelerator and binds its op builders now
+
+DEEPSPEED_IMPORTED_BEFORE_DEVSHIM = "deepspeed" in sys.modules
+
+import devshim_core.auto  # devshim's one line
+
+SESSION = devshim_core.auto.session
 
 import argparse
 import json
 import math
-import os
 import time
 
 import deepspeed
@@ -19,8 +35,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from torch import nn
-
-import devshim_core.auto
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,6 +66,8 @@ def parse_args() -> argparse.Namespace:
 
 
 class Block(nn.Module):
+    forward_calls = 0  # in this process; activation checkpointing runs each forward twice (once to recompute)
+
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
@@ -61,6 +77,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Block.forward_calls += 1
         b, s, h = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
@@ -177,19 +194,22 @@ def main() -> None:
     model = pipeline_model(args) if args.pipeline_stages else GPT(args)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                    config=ds_config(args, world))
-    start = 0
+    start, client = 0, {}
     if args.load_dir:
-        _, client = engine.load_checkpoint(args.load_dir)
+        load_path, client = engine.load_checkpoint(args.load_dir)
+        if load_path is None:
+            raise SystemExit(f"no checkpoint to resume from in {args.load_dir}")
         start = client["step"]
     dp_rank = engine.mpu.get_data_parallel_rank() if args.pipeline_stages else rank
     data = batches(args, dp_rank, device, start * args.grad_accum)
 
     if rank == 0:
-        session = devshim_core.auto.session
+        session = SESSION
         print(f"devshim: plugin {session.selection.plugin.name} ({session.selection.reason}); "
               f"accelerator {type(accel).__name__}, device {device}, backend {accel.communication_backend_name()}")
     losses, times = [], []
-    tokens_per_step = args.micro_batch * args.seq * args.grad_accum * world
+    Block.forward_calls = 0
+    tokens_per_step = args.micro_batch * args.seq * args.grad_accum * engine.dp_world_size
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         if args.pipeline_stages:
@@ -213,26 +233,51 @@ def main() -> None:
         if rank == 0:
             print(f"step {step + 1:4d}  loss {float(loss):.4f}  {tokens_per_step / elapsed:9.0f} tokens/s", flush=True)
         if args.save_dir and step + 1 == args.save_at:
-            engine.save_checkpoint(args.save_dir, client_state={"step": step + 1})
+            engine.save_checkpoint(args.save_dir, client_state={"step": step + 1, "losses": list(losses)})
 
     steady = times[len(times) // 2:] or times
+    blocks = sum(isinstance(m, Block) for m in engine.module.modules())  # on this rank's pipeline stage
+    basic = getattr(optimizer, "optimizer", optimizer)  # what a ZeRO/bf16 wrapper steps with
     summary = {
         "rank_count": world,
         "accelerator": type(accel).__name__,
         "accelerator_module": type(accel).__module__,
         "device": str(device),
         "backend": accel.communication_backend_name(),
-        "plugin": devshim_core.auto.session.selection.plugin.name,
+        "plugin": SESSION.selection.plugin.name,
+        "device_count": accel.device_count(),
+        "visible_devices": {name: os.environ.get(name) for name in accel.visible_devices_envs()},
+        "deepspeed_imported_before_devshim": DEEPSPEED_IMPORTED_BEFORE_DEVSHIM,
+        "deepspeed_integration": SESSION.integrations.get("deepspeed"),
+        "engine": type(engine).__name__,
+        "pipeline_stages": engine.num_stages if args.pipeline_stages else 0,
+        "pipeline_stage": engine.stage_id if args.pipeline_stages else 0,
+        "data_parallel_size": engine.dp_world_size,
+        "zero_stage": engine.zero_optimization_stage(),
+        "bf16": engine.bfloat16_enabled(),
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "optimizer_steps": engine.global_steps,  # restored by load_checkpoint, so it counts from step 0
+        "micro_steps": engine.micro_steps,
         "optimizer": type(optimizer).__name__,
-        "basic_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
-        "engine_optimizer_op": type(getattr(getattr(optimizer, "optimizer", optimizer), "ds_opt_adam", None)).__name__,
-        "fused_op": type(getattr(getattr(getattr(optimizer, "optimizer", optimizer), "multi_tensor_adam", None),
-                                 "__self__", None)).__name__,
+        "basic_optimizer": type(basic).__name__,
+        "engine_optimizer_op": type(getattr(basic, "ds_opt_adam", None)).__name__,
+        "fused_op": type(getattr(getattr(basic, "multi_tensor_adam", None), "__self__", None)).__name__,
         "param_dtype": str(next(engine.module.parameters()).dtype),
         "start_step": start,
+        "client_state": {key: value for key, value in client.items() if key in ("step", "losses")},
+        "blocks": blocks,
+        "forwards_per_block_per_micro_batch": Block.forward_calls / max(1, len(losses) * args.grad_accum * blocks),
         "losses": losses,
         "tokens_per_s": tokens_per_step / (sum(steady) / len(steady)) if steady else math.nan,
     }
+    # every rank's view of the per-process facts, so a report proves them for the whole job, not rank 0 alone
+    per_rank_fields = ("accelerator", "plugin", "device_count", "visible_devices", "deepspeed_imported_before_devshim",
+                       "deepspeed_integration", "engine", "pipeline_stage", "optimizer", "basic_optimizer",
+                       "engine_optimizer_op", "fused_op", "param_dtype", "start_step", "blocks",
+                       "forwards_per_block_per_micro_batch")
+    ranks: list = [None] * world
+    dist.all_gather_object(ranks, {"rank": rank, **{key: summary[key] for key in per_rank_fields}})
+    summary["ranks"] = ranks
     if rank == 0:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; steady state {summary['tokens_per_s']:.0f} tokens/s")
         if args.report:

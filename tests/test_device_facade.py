@@ -24,7 +24,7 @@ def test_facade_operations_are_the_plugins_functions_bound_once(cpu_device):
     """No dispatch layer: calling the facade calls the plugin's function object itself."""
     module = cpu_device.module
     for name in ("device_count", "current_device", "set_device", "synchronize", "manual_seed", "get_rng_state",
-                 "set_rng_state", "stream", "current_stream"):
+                 "set_rng_state"):
         assert getattr(cpu_device, name) == getattr(module, name), name
     assert cpu_device.memory_allocated is cpu_device.allocator.memory_allocated
     assert cpu_device.empty_cache is cpu_device.allocator.empty_cache
@@ -64,12 +64,11 @@ def test_cpu_memory_accounting_is_real(cpu_device):
 
 
 class _ModuleWithoutStreams:
-    """A plugin whose device module lacks part of the required API."""
+    """A device module without streams, from a plugin whose traits do not say ``streams=False``."""
 
     def __init__(self) -> None:
         for name in DEVICE_MODULE_API:
-            if name not in ("Stream", "current_stream"):
-                setattr(self, name, lambda *a, **k: None)
+            setattr(self, name, lambda *a, **k: None)
 
 
 class _IncompletePlugin:
@@ -88,5 +87,20 @@ class _IncompletePlugin:
 def test_a_device_module_missing_required_functions_is_refused_by_name():
     settings = Settings(forced="incomplete")
     registry = discover(settings, extra=[("incomplete", _IncompletePlugin())])
-    with pytest.raises(PluginError, match=r"'incomplete'.*lacks Stream, current_stream"):
+    with pytest.raises(PluginError, match=r"'incomplete'.*lacks Stream, Event, stream, current_stream"):
         build_device(registry, select(registry, settings))
+
+
+def test_a_device_without_streams_gets_host_streams_with_real_context_and_timing(cpu_device):
+    """cpu_reference declares streams=False: contexts switch the current stream, events time the host clock."""
+    assert cpu_device.traits.streams is False
+    side, default = cpu_device.Stream(), cpu_device.current_stream()
+    with cpu_device.stream(side):
+        assert cpu_device.current_stream() is side
+    assert cpu_device.current_stream() is default is cpu_device.default_stream()
+    start, end = cpu_device.Event(enable_timing=True), cpu_device.Event(enable_timing=True)
+    start.record()
+    sum(range(200_000))
+    end.record()
+    assert start.elapsed_time(end) > 0
+    assert side.query() and end.query()

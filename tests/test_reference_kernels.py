@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import math
 
+import devshim_kernels as K
 import pytest
 import torch
-
-import devshim_kernels as K
 
 
 def naive_attention(q, k, v, keep=None, causal=False, scale=None):

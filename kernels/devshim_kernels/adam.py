@@ -58,6 +58,7 @@ def _reference_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Te
             target.copy_(value)
 
 
+@torch.no_grad()  # an optimizer update, never part of a graph (params may be leaves)
 def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                 exp_avg_sqs: Sequence[Tensor], *, step: int, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, adamw_mode: bool = True, bias_correction: bool = True) -> None:
@@ -78,6 +79,7 @@ def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
                adamw_mode=adamw_mode)
 
 
+@torch.no_grad()
 def host_adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
                    beta1: float, beta2: float, eps: float, weight_decay: float, adamw_mode: bool = True,
                    bias_correction: bool = True) -> None:
@@ -87,6 +89,7 @@ def host_adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Ten
                 bias_correction=bias_correction)
 
 
+@torch.no_grad()
 def host_adam_rollback(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
                        beta1: float, beta2: float, eps: float, weight_decay: float, adamw_mode: bool = True,
                        bias_correction: bool = True) -> None:

@@ -45,7 +45,7 @@ def devshim_device_traits(report: DeviceReport) -> DeviceTraits:
         bf16_supported=True,
         fp16_supported=True,
         host_synchronous=True,
-        streams=True,
+        streams=False,  # torch.cpu's stream/event classes lack most of the CUDA API; use host-side ones
         pin_memory=False,  # host memory is the device memory: nothing to page-lock
         name=platform.processor() or platform.machine() or "CPU",
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,17 +33,29 @@ def _local_rank() -> int:
     return int(value) if value.isdigit() else 0
 
 
-class CpuDeviceModule:
-    """Device selection is bookkeeping (every rank uses the one host); RNG is torch's CPU generator;
-    streams and events are ``torch.cpu``'s, which complete synchronously."""
+class _HostGenerators(Sequence):
+    """``default_generators`` of the CPU: every device index shares torch's one host generator."""
 
-    Stream = torch.cpu.Stream
-    Event = torch.cpu.Event if hasattr(torch.cpu, "Event") else torch.Event
-    default_generators = (torch.default_generator,)
+    def __init__(self, count: int) -> None:
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [torch.default_generator] * len(range(*index.indices(self._count)))
+        return torch.default_generator
+
+
+class CpuDeviceModule:
+    """Device selection is bookkeeping (every rank uses the one host); RNG is torch's CPU generator.
+    Streams and events come from devshim's host-side implementation (the traits say ``streams=False``)."""
 
     def __init__(self, count: int) -> None:
         self._count = count
         self._current: int | None = None
+        self.default_generators = _HostGenerators(count)
 
     def is_available(self) -> bool:
         return True
@@ -55,7 +68,8 @@ class CpuDeviceModule:
 
     def set_device(self, device: Any) -> None:
         index = device.index if isinstance(device, torch.device) else device
-        self._current = 0 if index is None else int(index)
+        if index is not None:  # set_device("cpu") names no slot: the rank keeps its own
+            self._current = int(index)
 
     def synchronize(self, device: Any = None) -> None:
         return None
@@ -77,12 +91,3 @@ class CpuDeviceModule:
 
     def set_rng_state(self, new_state: torch.Tensor, device: Any = None) -> None:
         torch.set_rng_state(new_state)
-
-    def stream(self, stream: Any) -> Any:
-        return torch.cpu.stream(stream)
-
-    def current_stream(self, device: Any = None) -> Any:
-        return torch.cpu.current_stream(device)
-
-    def default_stream(self, device: Any = None) -> Any:
-        return torch.cpu.current_stream(device)

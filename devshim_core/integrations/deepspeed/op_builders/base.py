@@ -21,6 +21,9 @@ def active_device() -> Device:
 
 class DevshimOpBuilder(OpBuilder):
     NAME = "devshim_op"
+    # Like OpBuilder._loaded_ops: one op object per op and device, so that every load() shares its state
+    # (cpu_adam's optimizer ids), as every load of the one compiled module does.
+    _devshim_ops: dict[str, tuple[Device, Any]] = {}
 
     def __init__(self, name: str | None = None) -> None:
         super().__init__(name=name or self.NAME)
@@ -46,11 +49,16 @@ class DevshimOpBuilder(OpBuilder):
 
     def load(self, verbose: bool = True) -> Any:
         device = active_device()
+        loaded = self._devshim_ops.get(self.name)
+        if loaded is not None and loaded[0] is device:
+            return loaded[1]
         problem = self.kernel_problem(device)
         if problem is not None:
             raise RuntimeError(f"DeepSpeed op {self.name!r} is not available through devshim plugin "
                                f"{device.plugin!r}: {problem}. devshim never JIT-compiles DeepSpeed ops.")
-        return self.make_op(device)
+        op = self.make_op(device)
+        self._devshim_ops[self.name] = (device, op)
+        return op
 
     def jit_load(self, verbose: bool = True) -> Any:
         return self.load(verbose)

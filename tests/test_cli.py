@@ -1,0 +1,155 @@
+"""Spec: ``devshim info`` and ``devshim plugins`` say what was detected, what was chosen and why, what was patched.
+
+``info`` activates devshim as ``import devshim_core.auto`` would, so every command runs in a subprocess.
+"""
+
+from __future__ import annotations
+
+import pytest
+from plugin_fixtures import (
+    DEVSHIM_SCRIPT,
+    INSTALLED_PLUGINS,
+    PYTHON,
+    Background,
+    checked_json,
+    clean_env,
+)
+
+TOP_LEVEL_KEYS = {"selected", "reason", "plugins", "patches"}
+PLUGIN_KEYS = {"name", "distribution", "version", "available", "reason", "priority", "device_type", "device_count"}
+
+COMMANDS = {
+    "info --json": ([DEVSHIM_SCRIPT, "info", "--json"], clean_env()),
+    "plugins --json": ([DEVSHIM_SCRIPT, "plugins", "--json"], clean_env()),
+    "python -m devshim_core plugins --json": ([PYTHON, "-m", "devshim_core", "plugins", "--json"], clean_env()),
+    "info, DEVSHIM_PATCH_DEEPSPEED=0": ([DEVSHIM_SCRIPT, "info"], clean_env(DEVSHIM_PATCH_DEEPSPEED="0")),
+    "plugins, DEVSHIM_PLUGIN=nvidia": ([DEVSHIM_SCRIPT, "plugins"], clean_env(DEVSHIM_PLUGIN="nvidia")),
+    "info --json, DEVSHIM_PLUGIN=nvidia": ([DEVSHIM_SCRIPT, "info", "--json"], clean_env(DEVSHIM_PLUGIN="nvidia")),
+    "plugins --json, DEVSHIM_PATCH_DEEPSPEED=maybe": ([DEVSHIM_SCRIPT, "plugins", "--json"],
+                                                      clean_env(DEVSHIM_PATCH_DEEPSPEED="maybe")),
+}
+
+
+@pytest.fixture(scope="module")
+def cli():
+    """Every command of this module, started together in subprocesses."""
+    commands = Background(COMMANDS)
+    yield commands
+    commands.close()
+
+
+@pytest.fixture(scope="module")
+def info(cli) -> dict:
+    return checked_json(cli["info --json"])
+
+
+@pytest.fixture(scope="module")
+def plugins(cli) -> dict:
+    return checked_json(cli["plugins --json"])
+
+
+def assert_lists_every_installed_plugin(report: dict) -> dict[str, dict]:
+    by_name = {p["name"]: p for p in report["plugins"]}
+    assert set(by_name) == set(INSTALLED_PLUGINS)
+    for name, plugin in by_name.items():
+        assert set(plugin) >= PLUGIN_KEYS, plugin
+        assert plugin["distribution"] == f"devshim-{name.replace('_', '-')}"
+        assert plugin["version"] == "0.1.0"
+        assert isinstance(plugin["reason"], str) and plugin["reason"]
+    assert by_name["cpu_reference"] | {"reason": None} == {  # its reason depends on the environment
+        "name": "cpu_reference", "distribution": "devshim-cpu-reference", "version": "0.1.0",
+        "entry_point": "devshim_cpu_reference", "available": True, "reason": None, "priority": -1000,
+        "device_type": "cpu", "device_count": 1, "error": None}
+    assert (by_name["ascend"]["available"], by_name["ascend"]["device_type"], by_name["ascend"]["priority"]) == (
+        False, "npu", 100)
+    assert by_name["ascend"]["reason"].startswith("not available: torch_npu is not installed")
+    assert (by_name["sophgo"]["available"], by_name["sophgo"]["device_type"]) == (False, "tpu")
+    return by_name
+
+
+# -- devshim info --------------------------------------------------------------------------------
+
+
+def test_info_json_reports_the_selection_the_plugins_and_the_patches(info):
+    assert set(info) >= TOP_LEVEL_KEYS
+    assert info["selected"] == "cpu_reference"
+    assert info["reason"] == "the only available plugin"
+    assert_lists_every_installed_plugin(info)
+
+
+def test_info_shows_the_deepspeed_patches_applied_with_target_reason_and_detail(info):
+    assert info["integrations"]["deepspeed"] == "applied when deepspeed was imported"
+    patches = {p["name"]: p for p in info["patches"]}
+    assert set(patches) >= {"accelerator", "stale-accelerator-references"}
+    accelerator = patches["accelerator"]
+    assert accelerator["set"] == "deepspeed"
+    assert accelerator["target"] == "deepspeed.accelerator.real_accelerator:ds_accelerator"
+    assert accelerator["detail"] == "deepspeed.accelerator.real_accelerator:ds_accelerator set"
+    assert "get_accelerator()" in accelerator["reason"]
+    assert accelerator["requires"] == {"deepspeed": ">=0.19,<0.20"}
+    assert accelerator["versions"] == {"deepspeed": "0.19.8"}
+    for patch in info["patches"]:
+        assert patch["target"] and patch["reason"] and patch["detail"], patch
+
+
+def test_info_describes_the_device_and_the_versions(info):
+    assert info["device"]["plugin"] == "cpu_reference"
+    assert info["device"]["device_type"] == "cpu"
+    assert info["device"]["backend"] == "gloo"
+    assert {"python", "devshim-core", "torch", "deepspeed"} <= set(info["versions"])
+    assert info["versions"]["devshim-core"] == "0.1.0"
+
+
+def test_info_in_text_form_with_deepspeed_patching_switched_off_says_so_and_patches_nothing(cli):
+    result = cli["info, DEVSHIM_PATCH_DEEPSPEED=0"]
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "selected: cpu_reference\n  why: the only available plugin" in out
+    assert "deepspeed      skipped: DEVSHIM_PATCH_DEEPSPEED=0" in out
+    assert out.rstrip().endswith("patches:\n  none")
+
+
+# -- devshim plugins -----------------------------------------------------------------------------
+
+
+def test_plugins_json_reports_discovery_and_selection_and_patches_nothing(plugins):
+    assert set(plugins) >= TOP_LEVEL_KEYS
+    assert (plugins["selected"], plugins["reason"]) == ("cpu_reference", "the only available plugin")
+    assert plugins["patches"] == []
+    assert_lists_every_installed_plugin(plugins)
+
+
+def test_python_dash_m_devshim_core_is_the_same_command(cli, plugins):
+    assert checked_json(cli["python -m devshim_core plugins --json"]) == plugins
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def test_an_unknown_devshim_plugin_fails_and_lists_the_installed_plugins_with_their_reasons(cli):
+    result = cli["plugins, DEVSHIM_PLUGIN=nvidia"]
+    assert result.returncode == 1
+    out = result.stdout
+    assert "selected: none" in out
+    assert "DEVSHIM_PLUGIN names 'nvidia', which is not an installed devshim plugin. Installed plugins:" in out
+    for name in INSTALLED_PLUGINS:
+        assert f"  - {name} (devshim-" in out
+    assert "torch_npu is not installed" in out and "the host CPU is always available" in out
+
+
+def test_info_with_an_unknown_devshim_plugin_fails_reports_the_error_and_patches_nothing(cli):
+    report = checked_json(cli["info --json, DEVSHIM_PLUGIN=nvidia"], expect_rc=1)
+    assert report["selected"] is None
+    assert report["error"] == report["reason"]
+    assert report["error"].startswith("DEVSHIM_PLUGIN names 'nvidia'")
+    assert "  - cpu_reference (devshim-cpu-reference 0.1.0): " in report["error"]
+    assert report["patches"] == []
+    assert_lists_every_installed_plugin(report)
+
+
+def test_a_bad_switch_value_is_a_one_line_error_with_exit_code_2_and_no_traceback(cli):
+    result = cli["plugins --json, DEVSHIM_PATCH_DEEPSPEED=maybe"]
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == ("devshim: DEVSHIM_PATCH_DEEPSPEED='maybe' is not a boolean: use 1 or 0 (also accepted: "
+                             "true/false, yes/no, on/off).\n")

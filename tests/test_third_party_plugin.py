@@ -1,0 +1,158 @@
+"""Spec: a plugin shipped by a third party is found through its distribution's ``devshim`` entry point alone.
+
+The plugin here is a real distribution (pyproject.toml with ``[project.entry-points.devshim]``, its own
+package) built and installed by pip into a throwaway virtual environment layered on the project's.
+
+How the environment is layered: ``python -m venv --system-site-packages`` run from /work/main/.venv does
+*not* see .venv's packages: "system" means the base interpreter's site-packages (pyenv's, which has neither
+torch nor devshim, but an older pluggy). So the throwaway venv is created without system site-packages and
+gets one ``.pth`` file that calls ``site.addsitedir`` on .venv's site-packages: .venv's own ``.pth`` files
+run (the editable finders of the project's five distributions, devshim-auto.pth), its packages come
+after the throwaway venv's own, and pip/setuptools come from .venv (so ``--no-build-isolation`` works
+offline). pip installs into the throwaway venv (its ``sys.prefix``); the pytest process never sees the plugin.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+from plugin_fixtures import PYTHON, Background, checked_json, clean_env, run
+
+PYPROJECT = """\
+[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "devshim-acme"
+version = "2.5.0"
+description = "devshim plugin for the ACME accelerator (emulated on the host CPU)"
+requires-python = ">=3.10"
+dependencies = ["devshim-core>=0.1,<0.2", "devshim-cpu-reference>=0.1,<0.2"]
+
+[project.entry-points.devshim]
+acme = "devshim_acme"
+
+[tool.setuptools]
+packages = ["devshim_acme"]
+"""
+
+PLUGIN = '''\
+"""ACME's devshim plugin: an accelerator emulated on the host CPU. ACME_PRIORITY overrides its priority."""
+
+import os
+
+from devshim_core import AllocatorSpec, DeviceReport, DeviceTraits, hookimpl
+from devshim_cpu_reference import memory
+from devshim_cpu_reference.device_module import CpuDeviceModule
+import torch
+
+
+@hookimpl
+def devshim_detect():
+    priority = int(os.environ.get("ACME_PRIORITY", "10"))
+    return DeviceReport(available=True, reason="1 ACME card (emulated)", device_type="cpu", device_count=1,
+                        priority=priority)
+
+
+@hookimpl
+def devshim_device_module(report):
+    return CpuDeviceModule(report.device_count)
+
+
+@hookimpl
+def devshim_device_traits(report):
+    return DeviceTraits(supported_dtypes=(torch.float32,), bf16_supported=False, fp16_supported=False,
+                        host_synchronous=True, streams=False, name="ACME-1")
+
+
+@hookimpl
+def devshim_allocator(report) -> AllocatorSpec:
+    return memory.allocator_spec()
+'''
+
+
+class Env:
+    """The throwaway environment, and its ``python -m devshim_core <command> --json`` runs."""
+
+    def __init__(self, python: Path, site: Path) -> None:
+        self.python, self.site = python, site
+        self.commands = Background({
+            "plugins": self._devshim("plugins"),
+            "plugins, forced": self._devshim("plugins", ACME_PRIORITY="-2000", DEVSHIM_PLUGIN="acme"),
+            "info": self._devshim("info"),
+        })
+
+    def _devshim(self, command: str, **env: str):
+        return [self.python, "-m", "devshim_core", command, "--json"], clean_env(**env)
+
+    def devshim(self, key: str) -> dict:
+        return checked_json(self.commands[key])
+
+
+@pytest.fixture(scope="module")
+def acme(tmp_path_factory):
+    root = tmp_path_factory.mktemp("third_party")
+    source = root / "devshim-acme"
+    (source / "devshim_acme").mkdir(parents=True)
+    (source / "pyproject.toml").write_text(PYPROJECT)
+    (source / "devshim_acme" / "__init__.py").write_text(PLUGIN)
+
+    venv = root / "venv"
+    result = run([PYTHON, "-m", "venv", "--without-pip", venv], clean_env())
+    assert result.returncode == 0, result.stderr
+    python = venv / "bin" / "python"
+    site = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                    clean_env()).stdout.strip())
+    project_site = sysconfig.get_paths()["purelib"]  # .venv's, as this process runs in it
+    (site / "_layer_on_project_venv.pth").write_text(f"import site; site.addsitedir({project_site!r})\n")
+
+    result = run([python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                  "--disable-pip-version-check", "--quiet", source], clean_env(), timeout=180)
+    assert result.returncode == 0, f"pip install failed:\n{result.stdout}\n{result.stderr}"
+    env = Env(python, site)
+    yield env
+    env.commands.close()
+
+
+def test_the_plugin_is_installed_as_a_distribution_of_the_throwaway_environment_only(acme):
+    dist_info = acme.site / "devshim_acme-2.5.0.dist-info"
+    assert textwrap.dedent((dist_info / "entry_points.txt").read_text()).split() == ["[devshim]", "acme", "=",
+                                                                                      "devshim_acme"]
+    assert (dist_info / "INSTALLER").read_text().strip() == "pip"
+    with pytest.raises(metadata.PackageNotFoundError):
+        metadata.distribution("devshim-acme")  # this process is not in the throwaway venv
+
+
+def test_devshim_plugins_lists_it_with_its_distribution_and_selects_it_for_its_higher_priority(acme):
+    report = acme.devshim("plugins")
+    plugins = {p["name"]: p for p in report["plugins"]}
+    assert set(plugins) == {"acme", "ascend", "cpu_reference", "sophgo"}
+    assert plugins["acme"] == {
+        "name": "acme", "distribution": "devshim-acme", "version": "2.5.0", "entry_point": "devshim_acme",
+        "available": True, "reason": "1 ACME card (emulated)", "priority": 10, "device_type": "cpu",
+        "device_count": 1, "error": None,
+    }
+    assert report["selected"] == "acme"
+    assert report["reason"] == "highest priority (10) of the available plugins; also available: cpu_reference"
+    assert report["patches"] == []
+
+
+def test_a_third_party_plugin_that_would_not_win_can_be_forced_with_devshim_plugin(acme):
+    report = acme.devshim("plugins, forced")
+    plugins = {p["name"]: p for p in report["plugins"]}
+    assert plugins["acme"]["priority"] < plugins["cpu_reference"]["priority"]
+    assert (report["selected"], report["reason"]) == ("acme", "forced by DEVSHIM_PLUGIN=acme")
+
+
+def test_devshim_info_shows_it_selected_with_deepspeed_patched_for_its_device(acme):
+    report = acme.devshim("info")
+    assert report["selected"] == "acme"
+    assert report["device"]["plugin"] == "acme"
+    assert report["device"]["name"] == "ACME-1"
+    assert report["device"]["supported_dtypes"] == ["float32"]
+    assert {(p["set"], p["name"]) for p in report["patches"]} >= {("deepspeed", "accelerator")}
