@@ -6,13 +6,14 @@ Each operation is the plugin's own callable bound as an attribute, so a framewor
 
 from __future__ import annotations
 
+import os
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from devshim_core.errors import PluginError
+from devshim_core.errors import ConfigError, PluginError
 from devshim_core.host_streams import HostEvent, HostStream, HostStreams
 from devshim_core.patching import Patch
 from devshim_core.plugins import PluginRecord, PluginRegistry
@@ -144,6 +145,17 @@ def _checked(registry: PluginRegistry, record: PluginRecord, hook: str, expected
     return answer
 
 
+def _check_allocator_config(plugin: str, allocator: AllocatorSpec) -> None:
+    """Refuse a vendor allocator setting the vendor would reject later, mid-training, or silently ignore."""
+    value = os.environ.get(allocator.config_env) if allocator.config_env else None
+    if not value or allocator.validate_config is None:
+        return
+    try:
+        allocator.validate_config(value)
+    except ValueError as exc:
+        raise ConfigError(f"{allocator.config_env}={value!r} is not valid for the {plugin} device: {exc}") from exc
+
+
 def build_device(registry: PluginRegistry, selection: Selection) -> Device:
     """Ask the selected plugin for its answers, validate them and bind them into one :class:`Device`."""
     record = selection.plugin
@@ -157,6 +169,7 @@ def build_device(registry: PluginRegistry, selection: Selection) -> Device:
         raise PluginError(f"plugin {record.name!r}: the device module lacks {', '.join(missing)}.")
     collectives = _checked(registry, record, "devshim_collectives", CollectivesSpec, CollectivesSpec("gloo"))
     allocator = _checked(registry, record, "devshim_allocator", AllocatorSpec)
+    _check_allocator_config(record.name, allocator)
     optimizer = _checked(registry, record, "devshim_optimizer_kernels", OptimizerKernels, OptimizerKernels())
     attention = _checked(registry, record, "devshim_attention_kernels", AttentionKernels, AttentionKernels())
     patch_lists = _checked(registry, record, "devshim_patches", list, [])

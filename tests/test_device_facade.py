@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from devshim_core.device import build_device
-from devshim_core.errors import PluginError
+from devshim_core.errors import ConfigError, PluginError
 from devshim_core.plugins import discover
-from devshim_core.records import DEVICE_MODULE_API, DeviceReport
+from devshim_core.records import DEVICE_MODULE_API, DeviceReport, DeviceTraits
 from devshim_core.selection import select
 from devshim_core.settings import Settings
 
@@ -104,3 +106,46 @@ def test_a_device_without_streams_gets_host_streams_with_real_context_and_timing
     end.record()
     assert start.elapsed_time(end) > 0
     assert side.query() and end.query()
+
+
+class _VendorAllocatorPlugin:
+    """A device whose allocator reads ACME_ALLOC_CONF, where two keys exclude each other (as Ascend's)."""
+
+    from devshim_core import hookimpl
+
+    @hookimpl
+    def devshim_detect(self):
+        return DeviceReport(available=True, reason="test device", device_type="cpu", device_count=1, priority=5)
+
+    @hookimpl
+    def devshim_device_module(self, report):
+        from devshim_cpu_reference.device_module import CpuDeviceModule
+
+        return CpuDeviceModule(1)
+
+    @hookimpl
+    def devshim_device_traits(self, report):
+        return DeviceTraits(supported_dtypes=(torch.float32,), bf16_supported=False, fp16_supported=False,
+                            streams=False)
+
+    @hookimpl
+    def devshim_allocator(self, report):
+        from devshim_cpu_reference import memory
+
+        def validate(value: str) -> None:
+            if "expandable_segments:True" in value and "max_split_size_mb" in value:
+                raise ValueError("expandable_segments cannot be combined with max_split_size_mb")
+
+        return dataclasses.replace(memory.allocator_spec(), config_env="ACME_ALLOC_CONF", validate_config=validate)
+
+
+def test_a_bad_vendor_allocator_setting_is_refused_when_the_device_is_built(monkeypatch):
+    settings = Settings(forced="acme")
+    registry = discover(settings, extra=[("acme", _VendorAllocatorPlugin())])
+    selection = select(registry, settings)
+    monkeypatch.setenv("ACME_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:128")
+    with pytest.raises(ConfigError, match=r"ACME_ALLOC_CONF='expandable_segments:True,max_split_size_mb:128' is not "
+                                          r"valid for the acme device: expandable_segments cannot be combined"):
+        build_device(registry, selection)
+    monkeypatch.setenv("ACME_ALLOC_CONF", "expandable_segments:True")
+    assert build_device(registry, selection).allocator.config_env == "ACME_ALLOC_CONF"

@@ -46,6 +46,8 @@ COMMANDS = {
     "DEVSHIM_AUTO=1, unmodified script": ([PYTHON, "-c", ACCELERATOR_OF_AN_UNMODIFIED_SCRIPT],
                                           clean_env(DEVSHIM_AUTO="1")),
     "import everything but auto": ([PYTHON, "-c", IMPORT_EVERYTHING_BUT_AUTO], clean_env()),
+    "DEVSHIM_AUTO=1, spawned workers": ([PYTHON, str(Path(__file__).parent / "plugin_fixtures" / "spawned_workers.py")],
+                                        clean_env(DEVSHIM_AUTO="1")),
     "DEVSHIM_AUTO=1, bad DEVSHIM_PLUGIN, pass": ([PYTHON, "-c", "pass"],
                                                 clean_env(DEVSHIM_AUTO="1", DEVSHIM_PLUGIN="nope")),
     "DEVSHIM_AUTO=1, bad DEVSHIM_PLUGIN, import auto": ([PYTHON, "-c", "import devshim_core.auto"],
@@ -74,6 +76,12 @@ def test_with_devshim_auto_set_an_unmodified_deepspeed_script_runs_on_devshims_a
     result = started["DEVSHIM_AUTO=1, unmodified script"]
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "DevshimAccelerator"]
+
+
+def test_with_devshim_auto_set_spawn_and_forkserver_workers_run_on_devshims_accelerator(started):
+    result = started["DEVSHIM_AUTO=1, spawned workers"]
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["spawn True DevshimAccelerator", "forkserver True DevshimAccelerator"]
 
 
 @pytest.mark.parametrize("value", [None, "", "0"])
