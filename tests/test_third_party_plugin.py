@@ -47,6 +47,7 @@ PLUGIN = '''\
 import os
 
 from devshim_core import AllocatorSpec, DeviceReport, DeviceTraits, hookimpl
+from devshim_core.patching import SetAttribute
 from devshim_cpu_reference import memory
 from devshim_cpu_reference.device_module import CpuDeviceModule
 import torch
@@ -73,6 +74,15 @@ def devshim_device_traits(report):
 @hookimpl
 def devshim_allocator(report) -> AllocatorSpec:
     return memory.allocator_spec()
+
+
+INT64_ON_DEVICE = True
+
+
+@hookimpl
+def devshim_patches(report):
+    return [SetAttribute(name="acme-narrow-int64", target="devshim_acme:INT64_ON_DEVICE",
+                         make=lambda original, device: False, reason="ACME cards have no int64 arithmetic")]
 '''
 
 
@@ -155,4 +165,8 @@ def test_devshim_info_shows_it_selected_with_deepspeed_patched_for_its_device(ac
     assert report["device"]["plugin"] == "acme"
     assert report["device"]["name"] == "ACME-1"
     assert report["device"]["supported_dtypes"] == ["float32"]
-    assert {(p["set"], p["name"]) for p in report["patches"]} >= {("deepspeed", "accelerator")}
+    assert {(p["set"], p["name"]) for p in report["patches"]} >= {("deepspeed", "accelerator"),
+                                                                  ("plugin:acme", "acme-narrow-int64")}
+    [vendor_patch] = [p for p in report["patches"] if p["set"] == "plugin:acme"]
+    assert vendor_patch["target"] == "devshim_acme:INT64_ON_DEVICE"
+    assert vendor_patch["reason"] == "ACME cards have no int64 arithmetic"
