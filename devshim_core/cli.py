@@ -51,9 +51,10 @@ def info_report() -> dict[str, Any]:
         report.update(plugins_report())
         report.update({"selected": None, "reason": str(exc), "error": str(exc)})
         return report
-    if session.integrations.get("deepspeed", "").startswith("armed"):
+    status = session.integrations.get("deepspeed", "")
+    if status.startswith("armed"):
         importlib.import_module("deepspeed")  # fires the armed patches, so the report shows what a script gets
-        session.integrations["deepspeed"] = "applied when deepspeed was imported"
+        session.integrations["deepspeed"] = status.replace("armed: applied", "applied", 1)
     report.update({
         "selected": session.selection.plugin.name,
         "reason": session.selection.reason,

@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2, 3))
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--offload", action="store_true", help="ZeRO-Offload the optimizer to the host")
@@ -174,6 +175,8 @@ def ds_config(args: argparse.Namespace, world: int) -> dict:
         config["zero_force_ds_cpu_optimizer"] = True
     if args.bf16:
         config["bf16"] = {"enabled": True}
+    if args.fp16:
+        config["fp16"] = {"enabled": True, "initial_scale_power": 12}
     if args.pipeline_stages:
         config["train_batch_size"] = args.micro_batch * args.grad_accum * (world // args.pipeline_stages)
     return config

@@ -27,6 +27,7 @@ COMMANDS = {
     "info --json, DEVSHIM_PLUGIN=nvidia": ([DEVSHIM_SCRIPT, "info", "--json"], clean_env(DEVSHIM_PLUGIN="nvidia")),
     "plugins --json, DEVSHIM_PATCH_DEEPSPEED=maybe": ([DEVSHIM_SCRIPT, "plugins", "--json"],
                                                       clean_env(DEVSHIM_PATCH_DEEPSPEED="maybe")),
+    "info --json, DS_ACCELERATOR=cuda": ([DEVSHIM_SCRIPT, "info", "--json"], clean_env(DS_ACCELERATOR="cuda")),
 }
 
 
@@ -77,8 +78,16 @@ def test_info_json_reports_the_selection_the_plugins_and_the_patches(info):
     assert_lists_every_installed_plugin(info)
 
 
+def test_info_says_that_deepspeeds_own_accelerator_choice_is_overridden(cli):
+    report = checked_json(cli["info --json, DS_ACCELERATOR=cuda"])
+    assert report["integrations"]["deepspeed"].endswith("; DS_ACCELERATOR=cuda is ignored (devshim's accelerator is "
+                                                        "used)")
+    assert {p["name"] for p in report["patches"] if p["set"] == "deepspeed"} == {"accelerator",
+                                                                                "stale-accelerator-references"}
+
+
 def test_info_shows_the_deepspeed_patches_applied_with_target_reason_and_detail(info):
-    assert info["integrations"]["deepspeed"] == "applied when deepspeed was imported"
+    assert info["integrations"]["deepspeed"] == "applied when deepspeed is imported, before its op builders are bound"
     patches = {p["name"]: p for p in info["patches"]}
     assert set(patches) >= {"accelerator", "stale-accelerator-references"}
     accelerator = patches["accelerator"]

@@ -177,14 +177,15 @@ def test_zero3_checkpoint_resume_restores_client_state_and_reproduces_losses_exa
 
 
 def test_deepspeed_launcher_sizes_the_job_from_devshim_device_count(tmp_path: Path) -> None:
-    """The ``deepspeed`` launcher, given no --num_gpus, starts one rank per devshim device (ZeRO-0).
+    """The ``deepspeed`` launcher, given no --num_gpus, starts one rank per devshim device (ZeRO-0, fp16).
 
     With DEVSHIM_AUTO=1 devshim activates at interpreter start-up in the launcher process itself, so the
     launcher's ``get_accelerator().device_count()`` is devshim's (DEVSHIM_CPU_DEVICE_COUNT=2): it starts 2
     ranks and hands them devshim's visible-devices variable. The ranks, which never ran devshim's import
-    line before DeepSpeed's, train plain data-parallel (ZeRO-0) with devshim's FusedAdamOp.
+    line before DeepSpeed's, train plain data-parallel (ZeRO-0) in fp16 with dynamic loss scaling, DeepSpeed's
+    FP16_Optimizer stepping devshim's FusedAdamOp.
     """
-    job = run_job("deepspeed", ["--zero-stage", "0", "--steps", str(STEPS)], tmp_path,
+    job = run_job("deepspeed", ["--zero-stage", "0", "--fp16", "--steps", str(STEPS)], tmp_path,
                   env={"DEVSHIM_AUTO": "1", "DEVSHIM_CPU_DEVICE_COUNT": "2"})
     assert "--num_gpus" not in job.command and "--num_nodes" not in job.command
     report = job.report()
@@ -196,7 +197,8 @@ def test_deepspeed_launcher_sizes_the_job_from_devshim_device_count(tmp_path: Pa
         assert rank["device_count"] == 2, rank
         assert rank["visible_devices"] == {CPU_VISIBLE_DEVICES: "0,1"}, rank
     assert report["zero_stage"] == 0
-    assert report["optimizer"] == "FusedAdam"  # no ZeRO wrapper at stage 0
+    assert report["optimizer"] == "FP16_Optimizer"  # no ZeRO wrapper at stage 0, fp16's master-weight one
+    assert all(rank["param_dtype"] == "torch.float16" for rank in report["ranks"])
     assert report["data_parallel_size"] == 2
     assert_loss_fell(report["losses"], STEPS, LOSS_DROP, job)
 

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 from devshim_core import import_hooks
 from devshim_core.device import Device
 from devshim_core.errors import PatchError
 from devshim_core.integrations.deepspeed.patches import ACCELERATOR_MODULE, DEEPSPEED, DEEPSPEED_PATCHES
 from devshim_core.patching import REGISTRY
+
+
+def _overridden_selection() -> str:
+    chosen = os.environ.get("DS_ACCELERATOR")
+    return f"; DS_ACCELERATOR={chosen} is ignored (devshim's accelerator is used)" if chosen else ""
 
 
 def install(device: Device) -> str:
@@ -16,13 +23,14 @@ def install(device: Device) -> str:
         raise PatchError(f"devshim's DeepSpeed integration cannot run: {problem}. Install a supported DeepSpeed "
                          f"(pip install 'deepspeed{DEEPSPEED.spec}'), or set DEVSHIM_PATCH_DEEPSPEED=0 to run "
                          "without it.")
+    note = _overridden_selection()
     if REGISTRY.is_applied(DEEPSPEED_PATCHES.name):
-        return "applied"
+        return "applied" + note
     if import_hooks.is_imported(ACCELERATOR_MODULE):
         REGISTRY.apply(DEEPSPEED_PATCHES, device)
-        return "applied (deepspeed was imported first: import-time references were rebound)"
+        return "applied (deepspeed was imported first: import-time references were rebound)" + note
     import_hooks.after_import(ACCELERATOR_MODULE, lambda module: REGISTRY.apply(DEEPSPEED_PATCHES, device))
-    return "armed: applied when deepspeed is imported, before its op builders are bound"
+    return "armed: applied when deepspeed is imported, before its op builders are bound" + note
 
 
 def uninstall() -> None:
