@@ -208,13 +208,18 @@ class DevshimAccelerator(DeepSpeedAccelerator):
         return self._devshim_device.is_available()
 
     def range_push(self, msg: str, domain: Any = None, category: Any = None) -> None:
-        scope = torch.autograd.profiler.record_function(msg)
-        scope.__enter__()
+        # DeepSpeed brackets many hot functions with ranges: record them only while a profiler listens
+        scope = None
+        if torch.autograd._profiler_enabled():
+            scope = torch.autograd.profiler.record_function(msg)
+            scope.__enter__()
         self._ranges.append(scope)
 
     def range_pop(self, domain: Any = None) -> None:
         if self._ranges:
-            self._ranges.pop().__exit__(None, None, None)
+            scope = self._ranges.pop()
+            if scope is not None:
+                scope.__exit__(None, None, None)
 
     def lazy_call(self, callback: Any) -> Any:
         # devshim's device is initialised when it is selected, so nothing needs deferring
