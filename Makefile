@@ -4,14 +4,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.devshim-installed
 DISTRIBUTIONS := -e . -e kernels -e plugins/cpu_reference -e plugins/ascend -e plugins/sophgo
+# what the install builds: the kernels' native sources are compiled by pip, so a change to them reinstalls
+BUILD_INPUTS := pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml requirements-dev.txt constraints.txt \
+	build_support/* $(wildcard kernels/setup.py kernels/devshim_kernels/_native/*.c kernels/devshim_kernels/_native/*.h)
 # a test run never compiles DeepSpeed ops; a stray attempt would land here, not in ~/.cache
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml requirements-dev.txt constraints.txt build_support/*
+$(STAMP): $(BUILD_INPUTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt -c constraints.txt $(DISTRIBUTIONS)
@@ -25,6 +28,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ratios against the peers measured in the same run; writes bench/results.json (about 15 minutes)
+bench: $(STAMP)
+	$(PY) -m bench $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -9,11 +9,12 @@ import platform
 import sys
 from typing import Any
 
+from devshim_core.distributions import installed_version
 from devshim_core.errors import DevshimError
 from devshim_core.patching import REGISTRY
 from devshim_core.plugins import discover
 from devshim_core.selection import select
-from devshim_core.session import activate, installed_version
+from devshim_core.session import activate
 from devshim_core.settings import Settings
 
 

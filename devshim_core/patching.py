@@ -8,7 +8,6 @@ changes nothing; only :meth:`PatchRegistry.apply` does, and only ``devshim_core.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata as metadata
 import re
 import sys
 import threading
@@ -17,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from devshim_core.distributions import installed_version
 from devshim_core.errors import PatchError
 
 if TYPE_CHECKING:
@@ -71,10 +71,7 @@ class Requirement:
     spec: str
 
     def installed(self) -> str | None:
-        try:
-            return metadata.version(self.distribution)
-        except metadata.PackageNotFoundError:
-            return None
+        return installed_version(self.distribution)
 
     def problem(self) -> str | None:
         version = self.installed()

@@ -15,6 +15,7 @@ from typing import Any
 import pluggy
 
 from devshim_core import hookspecs
+from devshim_core.distributions import name_and_version
 from devshim_core.records import DeviceReport
 from devshim_core.settings import Settings
 
@@ -158,7 +159,7 @@ def _distribution_of(entry_point: metadata.EntryPoint) -> tuple[str | None, str 
     dist = getattr(entry_point, "dist", None)
     if dist is None:
         return None, None
-    return dist.metadata["Name"], dist.version
+    return name_and_version(dist)
 
 
 def discover(settings: Settings, extra: Iterable[tuple[str, Any]] = ()) -> PluginRegistry:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import importlib.util
 import threading
 from collections.abc import Mapping
@@ -10,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from devshim_core.device import Device, build_device
+from devshim_core.distributions import installed_version
 from devshim_core.patching import REGISTRY, PatchSet
 from devshim_core.plugins import PluginRegistry, discover
 from devshim_core.selection import Selection, select
@@ -27,13 +27,6 @@ class Session:
 
 _lock = threading.RLock()
 _active: Session | None = None
-
-
-def installed_version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _install_integrations(session: Session) -> None:

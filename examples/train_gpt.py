@@ -8,7 +8,8 @@ Generated data (a noisy affine token sequence a model can learn), no downloads. 
 per step and tokens/s, and writes a JSON report with ``--report``.
 
 devshim's line comes first here. Scripts that already ``import deepspeed`` before it work too: set
-DEVSHIM_EXAMPLE_IMPORT_DEEPSPEED_FIRST=1 to run this one in that order.
+DEVSHIM_EXAMPLE_IMPORT_DEEPSPEED_FIRST=1 to run this one in that order. DEVSHIM_EXAMPLE_WITHOUT_DEVSHIM=1
+leaves devshim's line out, so `make bench` compares the same script on DeepSpeed's own CPU accelerator.
 """
 
 # ruff: noqa: E402  (the import order below is the point: devshim's line precedes DeepSpeed's)
@@ -20,9 +21,12 @@ if os.environ.get("DEVSHIM_EXAMPLE_IMPORT_DEEPSPEED_FIRST", "").strip() not in (
 
 DEEPSPEED_IMPORTED_BEFORE_DEVSHIM = "deepspeed" in sys.modules
 
-import devshim_core.auto  # devshim's one line
+if os.environ.get("DEVSHIM_EXAMPLE_WITHOUT_DEVSHIM", "").strip() in ("", "0"):
+    import devshim_core.auto  # devshim's one line
 
-SESSION = devshim_core.auto.session
+    SESSION = devshim_core.auto.session
+else:  # the same script as its users had it before devshim, for `make bench`'s end-to-end comparison
+    SESSION = None
 
 import argparse
 import json
@@ -207,9 +211,9 @@ def main() -> None:
     data = batches(args, dp_rank, device, start * args.grad_accum)
 
     if rank == 0:
-        session = SESSION
-        print(f"devshim: plugin {session.selection.plugin.name} ({session.selection.reason}); "
-              f"accelerator {type(accel).__name__}, device {device}, backend {accel.communication_backend_name()}")
+        chosen = f"plugin {SESSION.selection.plugin.name} ({SESSION.selection.reason})" if SESSION else "not imported"
+        print(f"devshim: {chosen}; accelerator {type(accel).__name__}, device {device}, "
+              f"backend {accel.communication_backend_name()}")
     losses, times = [], []
     Block.forward_calls = 0
     tokens_per_step = args.micro_batch * args.seq * args.grad_accum * engine.dp_world_size
@@ -233,6 +237,8 @@ def main() -> None:
         elapsed = time.perf_counter() - t0
         losses.append(float(loss))
         times.append(elapsed)
+        if len(times) == 1:
+            first_step_done_at = time.time()  # wall clock, so a launcher can time start-up to the first step
         if rank == 0:
             print(f"step {step + 1:4d}  loss {float(loss):.4f}  {tokens_per_step / elapsed:9.0f} tokens/s", flush=True)
         if args.save_dir and step + 1 == args.save_at:
@@ -247,11 +253,11 @@ def main() -> None:
         "accelerator_module": type(accel).__module__,
         "device": str(device),
         "backend": accel.communication_backend_name(),
-        "plugin": SESSION.selection.plugin.name,
+        "plugin": SESSION.selection.plugin.name if SESSION else None,
         "device_count": accel.device_count(),
         "visible_devices": {name: os.environ.get(name) for name in accel.visible_devices_envs()},
         "deepspeed_imported_before_devshim": DEEPSPEED_IMPORTED_BEFORE_DEVSHIM,
-        "deepspeed_integration": SESSION.integrations.get("deepspeed"),
+        "deepspeed_integration": SESSION.integrations.get("deepspeed") if SESSION else None,
         "engine": type(engine).__name__,
         "pipeline_stages": engine.num_stages if args.pipeline_stages else 0,
         "pipeline_stage": engine.stage_id if args.pipeline_stages else 0,
@@ -272,6 +278,8 @@ def main() -> None:
         "forwards_per_block_per_micro_batch": Block.forward_calls / max(1, len(losses) * args.grad_accum * blocks),
         "losses": losses,
         "tokens_per_s": tokens_per_step / (sum(steady) / len(steady)) if steady else math.nan,
+        "step_seconds": times,
+        "first_step_done_at": first_step_done_at if times else None,
     }
     # every rank's view of the per-process facts, so a report proves them for the whole job, not rank 0 alone
     per_rank_fields = ("accelerator", "plugin", "device_count", "visible_devices", "deepspeed_imported_before_devshim",

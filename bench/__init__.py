@@ -1,0 +1,1 @@
+"""devshim's benchmarks against its peers: ``make bench`` (``python -m bench``) runs them all."""

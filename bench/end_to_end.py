@@ -1,0 +1,106 @@
+"""The ``make demo`` model under DeepSpeed through devshim against DeepSpeed's own CPU accelerator.
+
+Same script (``examples/train_gpt.py``; the peer runs it without devshim's import line and with
+``DS_ACCELERATOR=cpu``), same config (ZeRO-2, AdamW), same launcher (``torch.distributed.run``, 2 ranks,
+one thread each), same seed. Two measurements:
+
+- cold time to first step: from launching the job to rank 0 finishing its first step, with an empty
+  torch-extensions cache. DeepSpeed's CPU accelerator JIT-compiles its shm collectives and its CPU Adam
+  here; devshim compiles nothing.
+- steady-state step time: the median step time after warm-up, best of several runs per contender,
+  runs interleaved; the peer runs with the extensions its cold run built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.common import Comparison, Note, Result
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "train_gpt.py"
+RANKS = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(contender: str, extensions: pathlib.Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVSHIM_") and k != "DS_ACCELERATOR"}
+    env.update(OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(extensions), PYTHONUNBUFFERED="1")
+    if contender == "devshim":
+        env["DEVSHIM_CPU_DEVICE_COUNT"] = str(RANKS)
+    else:
+        env.update(DS_ACCELERATOR="cpu", DEVSHIM_EXAMPLE_WITHOUT_DEVSHIM="1")
+    return env
+
+
+def _train(contender: str, extensions: pathlib.Path, steps: int, workdir: pathlib.Path) -> tuple[dict, float]:
+    """One launch; returns rank 0's report and the wall-clock launch time."""
+    report = workdir / f"{contender}-{time.monotonic_ns()}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", f"--master-port={_free_port()}",
+           str(SCRIPT), "--zero-stage", "2", "--steps", str(steps), "--report", str(report)]
+    launched = time.time()
+    proc = subprocess.run(cmd, env=_env(contender, extensions), cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{contender} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    summary = json.loads(report.read_text())
+    expected = {"devshim": "DevshimAccelerator", "deepspeed": "CPU_Accelerator"}[contender]
+    if summary["accelerator"] != expected:  # a comparison of the wrong pair would be worse than none
+        raise RuntimeError(f"the {contender} run used {summary['accelerator']}, not {expected}")
+    return summary, launched
+
+
+def _quick(workdir: pathlib.Path) -> list[Result]:
+    """A smoke run: devshim's side only, since the peer cannot start without compiling for minutes."""
+    cache = workdir / "extensions-devshim"
+    report, launched = _train("devshim", cache, 4, workdir)
+    return [Note(group="end_to_end", name="devshim time to first step (quick: no peer)",
+                 value=report["first_step_done_at"] - launched, unit="s"),
+            Note(group="end_to_end", name="devshim compiled extensions (quick)", value=len(list(cache.rglob("*.so"))),
+                 unit="files", target="0", met=not any(cache.rglob("*.so")))]
+
+
+def run(quick: bool = False) -> list[Result]:
+    steps, warmup, runs = 40, 10, 3
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="devshim-bench-e2e-") as tmp:
+        workdir = pathlib.Path(tmp)
+        if quick:
+            return _quick(workdir)
+        caches = {name: workdir / f"extensions-{name}" for name in ("devshim", "deepspeed")}
+        cold: dict[str, float] = {}
+        for name in ("deepspeed", "devshim"):
+            report, launched = _train(name, caches[name], 2, workdir)
+            cold[name] = report["first_step_done_at"] - launched
+        results.append(Comparison(
+            group="end_to_end", case="cold time to first step (empty torch-extensions cache)",
+            subject="devshim (cpu_reference)", subject_seconds=cold["devshim"],
+            peer="DeepSpeed CPU accelerator", peer_seconds=cold["deepspeed"], max_ratio=0.25, target="≤ 0.25×",
+            details={"peer_compiled": sorted(p.name for p in caches["deepspeed"].rglob("*.so")),
+                     "devshim_compiled": sorted(p.name for p in caches["devshim"].rglob("*.so"))}))
+        medians: dict[str, list[float]] = {"devshim": [], "deepspeed": []}
+        tokens: dict[str, float] = {}
+        for _ in range(runs):
+            for name in ("deepspeed", "devshim"):
+                report, _ = _train(name, caches[name], steps, workdir)
+                medians[name].append(statistics.median(report["step_seconds"][warmup:]))
+                tokens[name] = report["tokens_per_s"]
+        best = {name: min(values) for name, values in medians.items()}
+        results.append(Comparison(
+            group="end_to_end", case=f"steady step time, ZeRO-2, {RANKS} ranks (median after {warmup} steps)",
+            subject="devshim (cpu_reference)", subject_seconds=best["devshim"], peer="DeepSpeed CPU accelerator",
+            peer_seconds=best["deepspeed"], max_ratio=1.0, target="≤ 1.00×",
+            details={"runs": runs, "steps": steps, "medians": medians, "tokens_per_s_last_run": tokens}))
+    return results

@@ -1,0 +1,60 @@
+"""``python -m bench --quick`` runs every benchmark end to end at toy sizes and writes a well-formed report.
+
+It measures nothing worth keeping (the sizes are tiny and the machine is shared with the test run); it
+proves the harness measures what it says: both contenders run, ratios are computed from the recorded
+times, and a quick run compiles nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    extensions = tmp / "torch_extensions"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVSHIM_") and k != "DS_ACCELERATOR"}
+    env["TORCH_EXTENSIONS_DIR"] = str(extensions)
+    out = tmp / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--output", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text()), proc.stdout, extensions
+
+
+def test_every_benchmark_reports_and_none_failed(quick_report):
+    report, stdout, _ = quick_report
+    assert report["quick"] is True and report["failures"] == {}
+    groups = {r["group"] for r in report["comparisons"]} | {n["group"] for n in report["notes"]}
+    assert groups >= {"host_adam", "attention", "fused_ops", "import", "end_to_end"}
+    assert f"targets met: {report['targets']['met']}/{report['targets']['judged']}" in stdout
+
+
+def test_each_comparison_is_the_ratio_of_two_measured_times(quick_report):
+    report, _, _ = quick_report
+    assert report["comparisons"]
+    for result in report["comparisons"]:
+        assert 0 < result["subject_seconds"] < 60 and 0 < result["peer_seconds"] < 60, result
+        assert math.isclose(result["ratio"], result["subject_seconds"] / result["peer_seconds"])
+        assert result["met"] == (result["ratio"] <= result["max_ratio"])
+        assert result["subject"] != result["peer"] and result["target"]
+
+
+def test_the_report_names_the_machine(quick_report):
+    machine = quick_report[0]["machine"]
+    assert machine["logical_cpus"] >= 1 and machine["torch"].startswith("2.") and machine["torch_threads"] >= 1
+
+
+def test_a_quick_run_compiles_nothing(quick_report):
+    _, _, extensions = quick_report
+    assert not extensions.exists() or not any(extensions.rglob("*.so"))
