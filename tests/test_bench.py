@@ -58,3 +58,13 @@ def test_the_report_names_the_machine(quick_report):
 def test_a_quick_run_compiles_nothing(quick_report):
     _, _, extensions = quick_report
     assert not extensions.exists() or not any(extensions.rglob("*.so"))
+
+
+def test_the_results_render_as_markdown_for_the_performance_doc(quick_report):
+    from bench.report import render
+
+    report = quick_report[0]
+    text = render(report)
+    for result in report["comparisons"]:
+        assert f"| {result['case']} |" in text and f"{result['ratio']:.3f}×" in text
+    assert f"Targets met: {report['targets']['met']}/{report['targets']['judged']}" in text

@@ -1,123 +1,187 @@
 """Attention in the layouts vendors use, on top of ``scaled_dot_product_attention``.
 
-PyTorch's conventions at the boundary: a boolean ``attn_mask`` marks positions to *keep* unless
-``mask_true_means_masked=True`` (the Ascend convention); ``scale=None`` means ``1/sqrt(head_dim)``.
-Grouped-query attention is accepted wherever the key/value head count divides the query head count.
+PyTorch's conventions at the boundary: a boolean (or integer) ``attn_mask`` marks positions to *keep* unless
+``mask_true_means_masked=True`` (the Ascend convention); a floating mask is added to the scores. ``scale=None``
+means ``1/sqrt(head_dim)``. Grouped-query attention is accepted wherever the key/value head count divides the
+query head count. A query that may attend to no key at all gets a zero output (and zero gradient).
+
+Everything below is views plus one attention call per batch (per sequence for packed ``TND`` input of unequal
+lengths). The call is SDPA, with its own backward, except in two measured cases on CPU:
+
+- training causal self-attention without mask or dropout in fp32/fp64 whose saved probabilities fit a budget
+  (short sequences): :mod:`devshim_kernels.blocked_attention`, batched GEMMs over row blocks that skip the
+  masked triangle, faster than SDPA's flash kernel forward+backward (~1.4x at 512 tokens, ~1.2x at 1024);
+- causal plus a mask: SDPA refuses ``is_causal`` together with a mask, and folding the triangle into the mask
+  costs the flash kernel its block skipping (~30% at 1k tokens), so this calls the kernel SDPA itself
+  dispatches to, which takes both.
 """
 
 from __future__ import annotations
 
-import itertools
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from devshim_kernels import blocked_attention as blocked
+from devshim_kernels.layouts import LAYOUTS, check_layout, from_bnsd, to_bnsd
+from devshim_kernels.varlen import CuSeqlens, seq_lengths
+
 Tensor = torch.Tensor
-LAYOUTS = ("BNSD", "BSND", "BSH", "SBH", "TND")
+CausalAlignment = Literal["top_left", "bottom_right"]
+__all__ = ["LAYOUTS", "attention"]
 
-
-def _heads_of(x: Tensor, head_dim: int) -> int:
-    if x.shape[-1] % head_dim:
-        raise ValueError(f"hidden size {x.shape[-1]} is not a multiple of head_dim {head_dim}")
-    return x.shape[-1] // head_dim
-
-
-def to_bnsd(x: Tensor, layout: str, head_dim: int | None = None) -> Tensor:
-    """View ``x`` in ``layout`` as [batch, heads, seq, head_dim] (``head_dim`` needed for BSH/SBH)."""
-    if layout == "BNSD":
-        return x
-    if layout == "BSND":
-        return x.transpose(1, 2)
-    if layout in ("BSH", "SBH"):
-        if head_dim is None:
-            raise ValueError(f"layout {layout} needs head_dim (or num_heads) to split the hidden dimension")
-        n = _heads_of(x, head_dim)
-        if layout == "BSH":
-            return x.unflatten(-1, (n, head_dim)).transpose(1, 2)
-        return x.unflatten(-1, (n, head_dim)).permute(1, 2, 0, 3)
-    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-
-
-def from_bnsd(x: Tensor, layout: str) -> Tensor:
-    """Inverse of :func:`to_bnsd` (contiguous result)."""
-    if layout == "BNSD":
-        return x
-    if layout == "BSND":
-        return x.transpose(1, 2).contiguous()
-    if layout == "BSH":
-        return x.transpose(1, 2).flatten(-2).contiguous()
-    if layout == "SBH":
-        return x.permute(2, 0, 1, 3).flatten(-2).contiguous()
-    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-
-
-def _keep_mask(attn_mask: Tensor | None, true_means_masked: bool) -> Tensor | None:
-    if attn_mask is None or attn_mask.dtype != torch.bool:
-        return attn_mask
-    return ~attn_mask if true_means_masked else attn_mask
-
-
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, dropout_p: float,
-          scale: float | None) -> Tensor:
-    gqa = k.shape[1] != q.shape[1]
-    if gqa and q.shape[1] % k.shape[1]:
-        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
-    if causal and mask is not None:
-        s_q, s_k = q.shape[-2], k.shape[-2]
-        lower = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()  # top-left, as SDPA
-        mask = mask & lower if mask.dtype == torch.bool else mask.masked_fill(~lower, float("-inf"))
-        causal = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                                          scale=scale, enable_gqa=gqa)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, layout: str = "BNSD", num_heads: int | None = None,
               attn_mask: Tensor | None = None, mask_true_means_masked: bool = False, causal: bool = False,
-              dropout_p: float = 0.0, scale: float | None = None, cu_seqlens_q: Tensor | None = None,
-              cu_seqlens_kv: Tensor | None = None) -> Tensor:
-    """Scaled dot-product attention; the output has ``q``'s layout and shape.
+              dropout_p: float = 0.0, scale: float | None = None, cu_seqlens_q: CuSeqlens | None = None,
+              cu_seqlens_kv: CuSeqlens | None = None, causal_alignment: CausalAlignment = "top_left") -> Tensor:
+    """Scaled dot-product attention; the output has ``q``'s layout (``v``'s head size).
 
-    ``num_heads`` (query heads) is required for ``BSH``/``SBH``. ``TND`` is packed variable-length
-    input [tokens, heads, head_dim] with cumulative sequence lengths ``cu_seqlens_q``/``cu_seqlens_kv``
-    (e.g. lengths [2, 2, 2] -> [0, 2, 4, 6] or, vendor style, [2, 4, 6]); masks do not apply to it.
+    - ``layout``: ``BNSD`` [batch, heads, seq, dim], ``BSND``, ``BSH``/``SBH`` (heads folded into the hidden
+      size; ``num_heads`` = query heads is then required), or ``TND``: packed variable-length [tokens, heads,
+      dim] delimited by ``cu_seqlens_q``/``cu_seqlens_kv`` (lengths [2, 3] as [0, 2, 5] or, vendor style,
+      [2, 5]; ``cu_seqlens_kv`` defaults to ``cu_seqlens_q``).
+    - ``attn_mask``: broadcastable to [batch, heads, seq_q, seq_kv] whatever the layout (vendors' BNSS, B1SS,
+      11SS, SS); not accepted with ``TND``, whose sequences are separated by the cumulative lengths.
+    - ``causal``: query i sees keys j <= i (``causal_alignment="top_left"``, as SDPA and Ascend's
+      ``sparse_mode=2``) or j <= i + seq_kv - seq_q (``"bottom_right"``, as flash-attn and ``sparse_mode=3``);
+      the two agree when seq_q == seq_kv. Combines with ``attn_mask``.
+    - ``dropout_p``: dropout on the attention probabilities, survivors scaled by 1/(1-p) (vendors'
+      ``keep_prob`` is 1 - p). Draws from torch's default generator, so ``torch.manual_seed`` reproduces it.
     """
-    mask = _keep_mask(attn_mask, mask_true_means_masked)
+    check_layout(layout)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    mask = _additive_or_keep_mask(attn_mask, mask_true_means_masked)
     if layout == "TND":
-        return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, causal, dropout_p, scale)
-    head_dim = None
-    if layout in ("BSH", "SBH"):
-        if num_heads is None:
-            raise ValueError(f"layout {layout} needs num_heads")
-        head_dim = q.shape[-1] // num_heads
-    out = _sdpa(to_bnsd(q, layout, head_dim), to_bnsd(k, layout, head_dim), to_bnsd(v, layout, head_dim), mask,
-                causal, dropout_p, scale)
-    return from_bnsd(out, layout)
+        if attn_mask is not None:
+            raise ValueError("layout TND takes no attn_mask: cu_seqlens_q/cu_seqlens_kv separate the sequences")
+        if cu_seqlens_q is None:
+            raise ValueError("layout TND needs cu_seqlens_q")
+        _check_heads(q, layout, num_heads)
+        return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q,
+                       causal, causal_alignment, dropout_p, scale)
+    qb, kb, vb = _dense_views(q, k, v, layout, num_heads)
+    return from_bnsd(_bnsd(qb, kb, vb, mask, causal, causal_alignment, dropout_p, scale), layout)
 
 
-def _offsets(cu: Tensor | None, name: str) -> list[int]:
-    if cu is None:
-        raise ValueError(f"layout TND needs {name}")
-    offsets = [int(x) for x in cu.tolist()]
-    if offsets[0] != 0:
-        offsets = [0, *offsets]
-    if any(b < a for a, b in itertools.pairwise(offsets)):
-        raise ValueError(f"{name} must be non-decreasing cumulative lengths, got {offsets}")
-    return offsets
+def _additive_or_keep_mask(attn_mask: Tensor | None, true_means_masked: bool) -> Tensor | None:
+    """The mask as SDPA reads it: boolean True = attend, or a floating additive bias."""
+    if attn_mask is None or attn_mask.is_floating_point():
+        return attn_mask
+    keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask != 0  # vendors also take uint8
+    return ~keep if true_means_masked else keep
 
 
-def _varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_kv: Tensor | None, causal: bool,
-            dropout_p: float, scale: float | None) -> Tensor:
-    offs_q = _offsets(cu_q, "cu_seqlens_q")
-    offs_kv = _offsets(cu_kv if cu_kv is not None else cu_q, "cu_seqlens_kv")
-    if len(offs_q) != len(offs_kv):
-        raise ValueError("cu_seqlens_q and cu_seqlens_kv describe different numbers of sequences")
-    if offs_q[-1] != q.shape[0] or offs_kv[-1] != k.shape[0]:
-        raise ValueError(f"cumulative lengths end at {offs_q[-1]}/{offs_kv[-1]} but q/k hold {q.shape[0]}/"
-                         f"{k.shape[0]} tokens")
+def _check_heads(q: Tensor, layout: str, num_heads: int | None) -> None:
+    if num_heads is not None and layout not in ("BSH", "SBH"):
+        heads = q.shape[1] if layout in ("BNSD", "TND") else q.shape[2]
+        if heads != num_heads:
+            raise ValueError(f"num_heads={num_heads} but q in layout {layout} has {heads} heads")
+
+
+def _dense_views(q: Tensor, k: Tensor, v: Tensor, layout: str, num_heads: int | None) -> tuple[Tensor, ...]:
+    if layout not in ("BSH", "SBH"):
+        _check_heads(q, layout, num_heads)
+        return to_bnsd(q, layout), to_bnsd(k, layout), to_bnsd(v, layout)
+    if num_heads is None:
+        raise ValueError(f"layout {layout} needs num_heads")
+    if q.shape[-1] % num_heads:
+        raise ValueError(f"hidden size {q.shape[-1]} is not a multiple of num_heads {num_heads}")
+    head_dim = q.shape[-1] // num_heads
+    kb = to_bnsd(k, layout, head_dim)
+    return to_bnsd(q, layout, head_dim), kb, to_bnsd(v, layout, v.shape[-1] // kb.shape[1])
+
+
+def _bnsd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, alignment: CausalAlignment,
+          dropout_p: float, scale: float | None) -> Tensor:
+    """Attention on [batch, heads, seq, dim] tensors (``mask``: keep-boolean or additive)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"expected 4-D q/k/v, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not describe one attention")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if mask is not None:
+        if mask.dim() > 4:
+            raise ValueError(f"attn_mask of shape {tuple(mask.shape)} has more than 4 dimensions")
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # SDPA refuses e.g. a 1-D key mask
+    s_q, s_k = q.shape[-2], k.shape[-2]
+    if causal and mask is None and _blocked_applies(q, k, v, dropout_p):
+        return blocked.blocked_causal_attention(q, k, v, scale)
+    bottom_right = alignment == "bottom_right" and s_q != s_k
+    if causal and (mask is not None or bottom_right):
+        if not bottom_right and _flash_cpu_applies(q, k, v, mask, dropout_p):
+            return _flash_cpu(q, k, v, mask, scale)
+        triangle = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q if bottom_right else 0)
+        mask = triangle if mask is None else _restrict(mask, triangle)
+        causal = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
+                                          scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _restrict(mask: Tensor, keep: Tensor) -> Tensor:
+    return mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
+
+
+def _blocked_applies(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
+    """Short causal self-attention in fp32/fp64 on CPU, for training: where the blocked GEMM kernel beats the
+    flash kernel (its backward; the flash forward alone is as fast or faster)."""
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (training and q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in blocked.DTYPES
+            and k.dtype == v.dtype == q.dtype and q.shape[-2] == k.shape[-2] > 0
+            and blocked.saved_bytes(q.shape[0] * q.shape[1], q.shape[-2], q.element_size()) <= blocked.MAX_SAVED_BYTES)
+
+
+def _flash_cpu_applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> bool:
+    """Whether SDPA's CPU flash kernel takes these inputs (the conditions SDPA checks before choosing it)."""
+    return (_FLASH_CPU is not None and q.device.type == "cpu" and torch.backends.cuda.flash_sdp_enabled()
+            and dropout_p == 0.0 and q.dtype in _FLASH_CPU_DTYPES and k.dtype == v.dtype == q.dtype
+            and q.shape[-1] == v.shape[-1] and min(q.shape[-2], k.shape[-2]) > 0 and not mask.requires_grad
+            and all(t.stride(-1) == 1 for t in (q, k, v)))
+
+
+def _flash_cpu(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -> Tensor:
+    """Causal (top-left) attention plus a 4-D mask in one call of the CPU flash kernel, which skips the blocks
+    above the diagonal; it wants the mask additive, in the inputs' dtype."""
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    else:
+        mask = mask.to(q.dtype)
+    return _FLASH_CPU(q, k, v, 0.0, True, attn_mask=mask, scale=scale)[0]
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: CuSeqlens, cu_kv: CuSeqlens, causal: bool,
+            alignment: CausalAlignment, dropout_p: float, scale: float | None) -> Tensor:
+    """Packed [tokens, heads, dim] attention, each sequence attending only within itself."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"layout TND expects 3-D q/k/v, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    len_q = seq_lengths(cu_q, total=q.shape[0], name="cu_seqlens_q")
+    len_kv = seq_lengths(cu_kv, total=k.shape[0], name="cu_seqlens_kv")
+    if len(len_q) != len(len_kv):
+        raise ValueError(f"cu_seqlens_q describes {len(len_q)} sequences but cu_seqlens_kv {len(len_kv)}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"k holds {k.shape[0]} tokens but v {v.shape[0]}")
+
+    def run(qs: Tensor, ks: Tensor, vs: Tensor) -> Tensor:  # [B, S, N, D] views in, [B, S, N, Dv] out
+        bnsd = _bnsd(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), None, causal, alignment,
+                     dropout_p, scale)
+        return from_bnsd(bnsd, "BSND")
+
+    if len(set(len_q)) == 1 and len(set(len_kv)) == 1 and len_q[0] and len_kv[0]:
+        # equal lengths (fixed-length packing): one batched call on BSND views, no copies
+        b = len(len_q)
+        return run(q.unflatten(0, (b, -1)), k.unflatten(0, (b, -1)), v.unflatten(0, (b, -1))).flatten(0, 1)
     outs = []
-    for i in range(len(offs_q) - 1):
-        qi = q[offs_q[i]:offs_q[i + 1]].transpose(0, 1).unsqueeze(0)
-        ki = k[offs_kv[i]:offs_kv[i + 1]].transpose(0, 1).unsqueeze(0)
-        vi = v[offs_kv[i]:offs_kv[i + 1]].transpose(0, 1).unsqueeze(0)
-        outs.append(_sdpa(qi, ki, vi, None, causal, dropout_p, scale).squeeze(0).transpose(0, 1))
-    return torch.cat(outs, dim=0)
+    for qs, ks, vs in zip(q.split(len_q), k.split(len_kv), v.split(len_kv), strict=True):
+        if qs.shape[0] and ks.shape[0]:
+            outs.append(run(qs[None], ks[None], vs[None])[0])
+        else:  # no queries, or queries with no key to attend to: zeros, like a fully masked row
+            outs.append(qs.new_zeros(qs.shape[0], qs.shape[1], v.shape[-1]))
+    return torch.cat(outs)
