@@ -90,6 +90,9 @@ def _print_info(report: dict[str, Any]) -> None:
               f"dtypes {', '.join(d['supported_dtypes'])}")
         kernels = [k for group in ("optimizer_kernels", "attention_kernels") for k, ok in d[group].items() if ok]
         print(f"  kernels: {', '.join(kernels) or 'none'}")
+        for area, source in d["kernel_sources"].items():
+            if source:
+                print(f"  {area} kernels from {source}")
     if "integrations" in report:
         print("integrations:")
         for name, status in report["integrations"].items():

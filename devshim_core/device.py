@@ -124,6 +124,7 @@ class Device:
                                   for k in ("fused_adamw", "host_adam_step", "host_adam_rollback")},
             "attention_kernels": {k: getattr(attention, k) is not None
                                   for k in ("attention", "rms_norm", "swiglu", "rotary")},
+            "kernel_sources": {"optimizer": optimizer.source, "attention": attention.source},
         }
 
 

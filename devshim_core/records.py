@@ -149,7 +149,9 @@ class FusedAdamW(Protocol):
 
     ``step`` is the step number after this update (1 for the first). ``adamw_mode`` selects decoupled
     weight decay (AdamW) over L2 added to the gradient (Adam). Bias correction, when on, is
-    ``1 - beta ** step`` exactly as ``torch.optim.AdamW``.
+    ``1 - beta ** step`` exactly as ``torch.optim.AdamW``. Optional keyword arguments a kernel should
+    accept: ``max_exp_avg_sqs`` (amsgrad when given) and ``param_copies`` (bf16/fp16 tensors, or ``None``
+    entries, that receive the updated params in the same pass, for mixed-precision training).
     """
 
     def __call__(
@@ -172,7 +174,9 @@ class FusedAdamW(Protocol):
 
 class HostAdamStep(Protocol):
     """One Adam/AdamW step on host tensors for optimizer offload, in place; same arguments as one
-    tensor of :class:`FusedAdamW`. Params may be fp32, bf16 or fp16; states fp32 or the param dtype."""
+    tensor of :class:`FusedAdamW` (``max_exp_avg_sq``, ``param_copy``). Params may be fp32, bf16 or fp16;
+    states fp32 or the param dtype. As a rollback it undoes exactly one step and may refuse amsgrad,
+    whose running maximum cannot be undone."""
 
     def __call__(
         self,
@@ -213,11 +217,22 @@ class AttentionKernels:
     the plugin has no such op. The signatures are PyTorch's conventions, whatever the vendor's are:
 
     - ``attention(q, k, v, *, layout, num_heads=None, attn_mask=None, mask_true_means_masked=False, causal=False,
-      dropout_p=0.0, scale=None, cu_seqlens_q=None, cu_seqlens_kv=None) -> Tensor``; ``scale=None`` means
-      ``1/sqrt(head_dim)``; layouts ``BNSD``, ``BSND``, ``BSH``, ``SBH``, ``TND``.
-    - ``rms_norm(x, weight, eps) -> Tensor``
+      dropout_p=0.0, scale=None, cu_seqlens_q=None, cu_seqlens_kv=None, causal_alignment="top_left") -> Tensor``;
+      layouts ``BNSD``, ``BSND``, ``BSH``, ``SBH`` and packed ``TND`` (cumulative lengths with or without the
+      leading 0); the output has ``q``'s layout. A boolean mask keeps ``True`` unless
+      ``mask_true_means_masked`` (Ascend's convention); a float mask is added to the scores. ``scale=None``
+      means ``1/sqrt(head_dim)`` (a vendor whose default differs converts inside its plugin). Grouped-query
+      key/value heads divide the query heads. ``dropout_p`` is the drop probability (vendors' ``keep_prob``
+      is ``1 - p``). ``causal_alignment``: ``"top_left"`` (SDPA, ``sparse_mode=2``) or ``"bottom_right"``
+      (flash-attn, ``sparse_mode=3``). Differentiable in q, k and v.
+    - ``rms_norm(x, weight, eps) -> Tensor``: statistics in fp32; ``weight`` may be ``None``.
     - ``swiglu(x) -> Tensor`` = ``silu(a) * b`` for ``a, b = x.chunk(2, -1)``
-    - ``rotary(x, cos, sin, *, interleaved=False) -> Tensor``
+    - ``rotary(x, cos, sin, *, interleaved=False) -> Tensor``: ``cos``/``sin`` broadcast against ``x`` as
+      Megatron ([S,1,1,D]) and the vendors ([1,S,1,D], [1,1,S,D]) pass them; only the first
+      ``cos.shape[-1]`` channels rotate.
+
+    ``devshim_kernels`` implements every op with these semantics; a vendor plugin may answer some ops with
+    its SDK and the rest with ``devshim_kernels``' (op by op), and tests compare a vendor op against it.
     """
 
     attention: Callable[..., Any] | None = None

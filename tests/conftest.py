@@ -11,7 +11,7 @@ import pytest
 _EXTENSIONS = pathlib.Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/devshim-tests-torch-extensions"))
 _DEVSHIM_SWITCHES = ("DEVSHIM_PLUGIN", "DEVSHIM_DISABLED_PLUGINS", "DEVSHIM_DISABLE_PLUGIN_AUTOLOAD", "DEVSHIM_PLUGINS",
                      "DEVSHIM_PATCH_DEEPSPEED", "DEVSHIM_PATCH_MEGATRON", "DEVSHIM_AUTO", "DEVSHIM_CPU_DEVICE_COUNT",
-                     "DS_ACCELERATOR")
+                     "DEVSHIM_KERNELS_NATIVE", "DS_ACCELERATOR")
 for _name in _DEVSHIM_SWITCHES:
     os.environ.pop(_name, None)
 

@@ -109,6 +109,14 @@ def test_info_describes_the_device_and_the_versions(info):
     assert info["versions"]["devshim-core"] == "0.1.0"
 
 
+def test_info_says_where_the_kernels_come_from_and_which_adam_implementation_runs(info):
+    import devshim_kernels
+
+    sources = info["device"]["kernel_sources"]
+    assert sources == {"optimizer": f"devshim_kernels, {devshim_kernels.implementation()}",
+                       "attention": "devshim_kernels"}
+
+
 def test_info_in_text_form_with_deepspeed_patching_switched_off_says_so_and_patches_nothing(cli):
     result = cli["info, DEVSHIM_PATCH_DEEPSPEED=0"]
     assert result.returncode == 0, result.stderr

@@ -1,7 +1,9 @@
 """Portable reference kernels: the numerical truth for every devshim plugin, and what runs on CPU."""
 
-from devshim_kernels.adam import fused_adamw, host_adam_rollback, host_adam_step
+from devshim_kernels.adam import fused_adamw, host_adam_rollback, host_adam_step, implementation
 from devshim_kernels.attention import attention
 from devshim_kernels.fused import rms_norm, rotary, swiglu
+from devshim_kernels.layouts import LAYOUTS, convert_layout, from_bnsd, to_bnsd
 
-__all__ = ["attention", "fused_adamw", "host_adam_rollback", "host_adam_step", "rms_norm", "rotary", "swiglu"]
+__all__ = ["LAYOUTS", "attention", "convert_layout", "from_bnsd", "fused_adamw", "host_adam_rollback",
+           "host_adam_step", "implementation", "rms_norm", "rotary", "swiglu", "to_bnsd"]

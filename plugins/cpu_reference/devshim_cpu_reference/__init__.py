@@ -65,7 +65,8 @@ def devshim_allocator(report: DeviceReport) -> AllocatorSpec:
 @hookimpl
 def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels:
     return OptimizerKernels(fused_adamw=devshim_kernels.fused_adamw, host_adam_step=devshim_kernels.host_adam_step,
-                            host_adam_rollback=devshim_kernels.host_adam_rollback, source="devshim_kernels")
+                            host_adam_rollback=devshim_kernels.host_adam_rollback,
+                            source=f"devshim_kernels, {devshim_kernels.implementation()}")
 
 
 @hookimpl
