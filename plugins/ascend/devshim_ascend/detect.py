@@ -5,13 +5,12 @@ from __future__ import annotations
 import ctypes.util
 import importlib.util
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 CANN_ENV = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
 
 
-@dataclass(frozen=True)
-class Found:
+class Found(NamedTuple):  # not a dataclass: this module loads on every start, and those cost ~1 ms
     ok: bool
     reason: str
     device_count: int = 0

@@ -5,13 +5,12 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import importlib.util
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 CHIPS = ("sg2260", "bm1684x", "sg2260e", "bm1686")
 
 
-@dataclass(frozen=True)
-class Found:
+class Found(NamedTuple):  # not a dataclass: this module loads on every start, and those cost ~1 ms
     ok: bool
     reason: str
 
