@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, no compiled peers: a smoke run")
     parser.add_argument("--only", default=",".join(MODULES), help=f"comma-separated subset of {','.join(MODULES)}")
     parser.add_argument("--output", type=pathlib.Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other groups' results already in --output (re-run some benchmarks only)")
     args = parser.parse_args(argv)
     chosen = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(MODULES))
@@ -74,14 +76,21 @@ def main(argv: list[str] | None = None) -> int:
             print(_line(result), flush=True)
         results.extend(found)
 
-    judged = [r for r in results if isinstance(r, Comparison) or r.met is not None]
-    met = sum(bool(r.met) for r in judged)
+    comparisons = [r.as_json() for r in results if isinstance(r, Comparison)]
+    notes = [r.as_json() for r in results if isinstance(r, Note)]
+    if args.merge and args.output.exists():
+        previous = json.loads(args.output.read_text())
+        fresh = {r["group"] for r in comparisons + notes}
+        comparisons = [r for r in previous["comparisons"] if r["group"] not in fresh] + comparisons
+        notes = [r for r in previous["notes"] if r["group"] not in fresh] + notes
+    judged = comparisons + [n for n in notes if n["met"] is not None]
+    met = sum(bool(r["met"]) for r in judged)
     document = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "quick": args.quick,
         "machine": machine(),
-        "comparisons": [r.as_json() for r in results if isinstance(r, Comparison)],
-        "notes": [r.as_json() for r in results if isinstance(r, Note)],
+        "comparisons": comparisons,
+        "notes": notes,
         "targets": {"met": met, "judged": len(judged)},
         "failures": failures,
     }
