@@ -295,6 +295,9 @@ def main() -> None:
             with open(args.report, "w") as f:
                 json.dump(summary, f, indent=2)
     dist.barrier()
+    # gloo's worker threads must be joined before interpreter shutdown; left to static destructors they can
+    # abort the process ("terminate called without an active exception") after a successful run
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
