@@ -29,7 +29,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# ratios against the peers measured in the same run; writes bench/results.json (about 15 minutes)
+# ratios against the peers measured in the same run; writes bench/results.json (about 20 minutes)
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH_ARGS)
 

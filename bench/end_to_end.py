@@ -74,7 +74,7 @@ def _quick(workdir: pathlib.Path) -> list[Result]:
 
 
 def run(quick: bool = False) -> list[Result]:
-    steps, warmup, runs = 70, 10, 5
+    steps, warmup, runs = 70, 10, 8
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="devshim-bench-e2e-") as tmp:
         workdir = pathlib.Path(tmp)

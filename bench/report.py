@@ -23,7 +23,7 @@ def render(document: dict) -> str:
     for group in groups:
         lines += [f"### {group}", "", "| case | devshim | peer | ratio | target | met |", "|---|---|---|---|---|---|"]
         for r in (r for r in document["comparisons"] if r["group"] == group):
-            lines.append(f"| {r['case']} | {_seconds(r['subject_seconds'])} | {r['peer']}: "
+            lines.append(f"| {r['case']} | {r['subject']}: {_seconds(r['subject_seconds'])} | {r['peer']}: "
                          f"{_seconds(r['peer_seconds'])} | {r['ratio']:.3f}× | {r['target']} | "
                          f"{'yes' if r['met'] else '**no**'} |")
         notes = [n for n in document["notes"] if n["group"] == group]
