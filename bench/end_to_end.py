@@ -8,7 +8,8 @@ one thread each), same seed. Two measurements:
   torch-extensions cache. DeepSpeed's CPU accelerator JIT-compiles its shm collectives and its CPU Adam
   here; devshim compiles nothing.
 - steady-state step time: the median of every step after warm-up, pooled over several runs per
-  contender, runs interleaved; the peer runs with the extensions its cold run built. A step is ~30 ms and
+  contender, runs interleaved with the starting contender alternating; the peer runs with the extensions its
+  cold run built. A step is ~30 ms and
   single steps vary by ±10% on a shared machine, so only the pooled median of hundreds of steps is compared.
 """
 
@@ -93,8 +94,9 @@ def run(quick: bool = False) -> list[Result]:
                      "devshim_compiled": sorted(p.name for p in caches["devshim"].rglob("*.so"))}))
         steady: dict[str, list[float]] = {"devshim": [], "deepspeed": []}
         medians: dict[str, list[float]] = {"devshim": [], "deepspeed": []}
-        for _ in range(runs):
-            for name in ("deepspeed", "devshim"):
+        for round_ in range(runs):
+            # alternate which contender starts a round, so that neither always runs on a machine the other warmed
+            for name in ("deepspeed", "devshim")[:: 1 if round_ % 2 == 0 else -1]:
                 report, _ = _train(name, caches[name], steps, workdir)
                 steady[name].extend(report["step_seconds"][warmup:])
                 medians[name].append(statistics.median(report["step_seconds"][warmup:]))
