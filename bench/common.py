@@ -6,10 +6,17 @@ interleaved, and reports the ratio ``devshim_seconds / peer_seconds`` against th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+
+def environment_without_devshim() -> dict[str, str]:
+    """This process's environment minus devshim's switches and ``DS_ACCELERATOR``: what a contender
+    process starts from, so neither side inherits the other's configuration."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("DEVSHIM_") and k != "DS_ACCELERATOR"}
 
 
 def time_min(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 2,

@@ -16,7 +16,6 @@ one thread each), same seed. Two measurements:
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import socket
 import statistics
@@ -25,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import Comparison, Note, Result
+from bench.common import Comparison, Note, Result, environment_without_devshim
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_gpt.py"
@@ -39,7 +38,7 @@ def _free_port() -> int:
 
 
 def _env(contender: str, extensions: pathlib.Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVSHIM_") and k != "DS_ACCELERATOR"}
+    env = environment_without_devshim()
     env.update(OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(extensions), PYTHONUNBUFFERED="1")
     if contender == "devshim":
         env["DEVSHIM_CPU_DEVICE_COUNT"] = str(RANKS)

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import compileall
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
-from bench.common import Comparison, Note, Result
+from bench.common import Comparison, Note, Result, environment_without_devshim
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SAMPLE = """
@@ -38,7 +37,7 @@ CONTENDERS = {
 
 
 def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVSHIM_") and k != "DS_ACCELERATOR"}
+    env = environment_without_devshim()
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from bench.common import environment_without_devshim
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -23,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def quick_report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     extensions = tmp / "torch_extensions"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVSHIM_") and k != "DS_ACCELERATOR"}
+    env = environment_without_devshim()
     env["TORCH_EXTENSIONS_DIR"] = str(extensions)
     out = tmp / "results.json"
     proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--output", str(out)], cwd=ROOT, env=env,
