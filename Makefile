@@ -26,8 +26,12 @@ demo: $(STAMP)
 	DEVSHIM_AUTO=1 DEVSHIM_CPU_DEVICE_COUNT=$${DEMO_RANKS:-2} OMP_NUM_THREADS=1 $(VENV)/bin/deepspeed \
 		--master_port $${DEMO_PORT:-29511} examples/train_gpt.py --zero-stage 2 --steps $${DEMO_STEPS:-30}
 
+# the main suite, then the emulated-device suites, each vendor in a process of its own (one PrivateUse1 name
+# per process); the emulator is built once into ~/.cache/devshim and shared by every run and e2e job
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+	DEVSHIM_EMULATE=ascend $(PY) -m pytest tests/emulated $(PYTEST_ARGS)
+	DEVSHIM_EMULATE=sophgo $(PY) -m pytest tests/emulated $(PYTEST_ARGS)
 
 # ratios against the peers measured in the same run; writes bench/results.json (about 20 minutes)
 bench: $(STAMP)

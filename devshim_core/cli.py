@@ -56,6 +56,8 @@ def info_report() -> dict[str, Any]:
     if status.startswith("armed"):
         importlib.import_module("deepspeed")  # fires the armed patches, so the report shows what a script gets
         session.integrations["deepspeed"] = status.replace("armed: applied", "applied", 1)
+    if session.settings.emulate:
+        report["emulation"] = emulation_notice(session.settings.emulate, session.device.type)
     report.update({
         "selected": session.selection.plugin.name,
         "reason": session.selection.reason,
@@ -65,6 +67,12 @@ def info_report() -> dict[str, Any]:
         "patches": REGISTRY.report(),
     })
     return report
+
+
+def emulation_notice(vendor: str, device_type: str) -> str:
+    return (f"EMULATED DEVICE -- NOT HARDWARE: DEVSHIM_EMULATE={vendor}: '{device_type}' is devshim's host-memory "
+            f"emulation with a simulated {vendor} SDK; no {vendor} hardware or vendor software is in use, and "
+            "nothing measured here says anything about real devices.")
 
 
 def _print_plugins(plugins: list[dict[str, Any]]) -> None:
@@ -77,6 +85,8 @@ def _print_plugins(plugins: list[dict[str, Any]]) -> None:
 
 
 def _print_info(report: dict[str, Any]) -> None:
+    if report.get("emulation"):
+        print(f"!! {report['emulation']}")
     print("versions:")
     for name, version in report["versions"].items():
         print(f"  {name:<14} {version or 'not installed'}")

@@ -29,6 +29,9 @@ from devshim_core.records import (
 )
 from devshim_core.selection import Selection
 
+# plugins whose CollectivesSpec.prepare ran in this process: a backend is registered once per process
+_prepared_plugins: set[str] = set()
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -107,9 +110,11 @@ class Device:
         return f"{self.type}:{index}"
 
     def prepare_process(self) -> None:
-        """Run the plugin's per-process collectives preparation (idempotent on the plugin's side)."""
-        if self.collectives.prepare is not None:
-            self.collectives.prepare()
+        """Run the plugin's per-process collectives preparation, once per process whatever re-activates."""
+        prepare = self.collectives.prepare
+        if prepare is not None and self.plugin not in _prepared_plugins:
+            prepare()
+            _prepared_plugins.add(self.plugin)
 
     def describe(self) -> dict[str, Any]:
         optimizer, attention = self.optimizer, self.attention

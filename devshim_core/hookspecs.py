@@ -1,18 +1,21 @@
 """The contract between devshim and a device plugin: five areas, one hook each, plus detection.
 
-A plugin is a module (or object) whose functions carry ``@devshim_core.hookimpl`` and whose
-distribution registers it in the ``devshim`` entry-point group. Only ``devshim_detect`` is required.
+A plugin is one module (or object) whose functions carry ``@devshim_core.hookimpl`` and whose
+distribution registers it in the ``devshim`` entry-point group: one entry point, one registered object,
+so one implementation of each hook per plugin. Every plugin must implement ``devshim_detect``; a plugin
+that can be selected must also implement ``devshim_device_module`` and ``devshim_allocator``.
 
 How the core calls the hooks:
 
-- ``devshim_detect`` is called on *every* installed plugin, one at a time, and a plugin that raises
-  or returns anything but a :class:`~devshim_core.records.DeviceReport` is recorded as broken and
-  skipped. It must be cheap and must never import a vendor SDK speculatively: some of them abort the
-  interpreter when their runtime is missing.
+- ``devshim_detect`` is called on every installed plugin that the settings load, one at a time, and a
+  plugin that raises or returns anything but a valid :class:`~devshim_core.records.DeviceReport` is
+  recorded as broken and skipped. It must be cheap and must never import a vendor SDK speculatively:
+  some of them abort the interpreter when their runtime is missing.
 - Every other hook is called on the *selected* plugin only, once, when the device facade is built;
-  the facade binds the returned callables and never calls the hook again. All of them are
-  ``firstresult``: the first non-``None`` answer wins (a plugin may split its answers across several
-  registered objects). A ``None`` answer means "not provided": the core falls back as each hook says.
+  the facade binds the returned callables and never calls the hook again. A ``None`` answer (or no
+  implementation) means "not provided": the core falls back as each hook says, or stops with a
+  :class:`~devshim_core.errors.PluginError` where the hook is required. So does an answer of the wrong
+  type, or a hook that raises; the error names the plugin and the hook.
 - Every hook after detection receives the plugin's own ``report`` so it need not detect again.
 """
 
@@ -38,6 +41,9 @@ PROJECT = "devshim"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
+# ``firstresult=True`` below only makes a call return the plugin's one answer instead of a one-item list:
+# the core calls each hook on a single plugin object (PluginRegistry.call), so there is nothing to rank.
+
 
 # -- detection ---------------------------------------------------------------------------------
 
@@ -52,7 +58,7 @@ def devshim_detect() -> DeviceReport | None:
     that it is the right one and that its runtime is present, and must not initialise the device more
     than needed to count it.
 
-    Return: the report; ``device_count`` >= 1 when ``available``. First non-None result wins.
+    Return: the report; ``device_count`` >= 1 when ``available``. ``None`` marks the plugin broken.
     """
 
 
@@ -64,22 +70,24 @@ def devshim_device_module(report: DeviceReport) -> DeviceModule | None:
     """Return the torch-style device module that drives the device.
 
     Contract: an object with ``torch.cuda``'s names and signatures for device selection
-    (``device_count, current_device, set_device, synchronize``), RNG (``manual_seed, manual_seed_all,
-    initial_seed, get_rng_state, set_rng_state``) and streams/events (``Stream, Event, stream,
-    current_stream, default_stream``); see ``records.DEVICE_MODULE_API``. A vendor plugin usually
-    returns the vendor module (``torch.npu``) after registering it, wrapping only what differs.
+    (``is_available, device_count, current_device, set_device, synchronize``), RNG (``manual_seed,
+    manual_seed_all, initial_seed, get_rng_state, set_rng_state``) and, unless the traits say
+    ``streams=False``, streams/events (``Stream, Event, stream, current_stream, default_stream``); see
+    ``records.DEVICE_MODULE_API`` and ``records.STREAM_API``, checked when the facade is built. A vendor
+    plugin usually returns the vendor module (``torch.npu``) after registering it, wrapping only what differs.
 
-    Return: the module. Required for a selectable plugin; first non-None result wins.
+    Return: the module. Required for a selectable plugin.
     """
 
 
 @hookspec(firstresult=True)
 def devshim_device_traits(report: DeviceReport) -> DeviceTraits | None:
-    """Describe what the device supports: dtypes, bf16/fp16, host-synchronous execution, streams,
+    """Describe what the device supports: dtypes, bf16/fp16/fp64, host-synchronous execution, streams,
     int64, pinned memory and a human-readable device name.
 
-    Return: a :class:`DeviceTraits`. ``None`` means fp32 only, asynchronous, with streams.
-    First non-None result wins.
+    Return: a :class:`DeviceTraits`. ``None`` means ``DeviceTraits(supported_dtypes=(torch.float32,),
+    bf16_supported=False, fp16_supported=False)``: float32 as the only listed dtype, asynchronous, with
+    streams, every other field at its default.
     """
 
 
@@ -90,10 +98,11 @@ def devshim_device_traits(report: DeviceReport) -> DeviceTraits | None:
 def devshim_collectives(report: DeviceReport) -> CollectivesSpec | None:
     """Describe how ranks communicate: backend name, extra ``init_process_group`` arguments,
     environment prefixes a launcher forwards, visible-device variables, and a per-process
-    ``prepare`` step (register an out-of-tree backend, set vendor environment).
+    ``prepare`` step (register an out-of-tree backend, set vendor environment), run once when devshim
+    activates in the process.
 
-    Return: a :class:`CollectivesSpec`. ``None`` means ``gloo`` with nothing to forward.
-    First non-None result wins.
+    Return: a :class:`CollectivesSpec`. ``None`` means ``CollectivesSpec("gloo")``: no prefixes to forward
+    beyond devshim's own ``DEVSHIM``, and ``DEVSHIM_VISIBLE_DEVICES`` as the visible-devices variable.
     """
 
 
@@ -105,7 +114,8 @@ def devshim_allocator(report: DeviceReport) -> AllocatorSpec | None:
     """Expose memory accounting (allocated/reserved and their peaks, ``memory_stats``, total and
     available memory), ``empty_cache`` and the allocator-settings variable with its validator.
 
-    Return: an :class:`AllocatorSpec`. Required for a selectable plugin; first non-None result wins.
+    Return: an :class:`AllocatorSpec`. Required for a selectable plugin. A value of ``config_env`` that
+    ``validate_config`` rejects stops activation with a ConfigError.
     """
 
 
@@ -118,8 +128,12 @@ def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels | None:
     ZeRO-Offload runs on the CPU whatever the device. Both must match ``torch.optim.AdamW``
     (bias correction ``1 - beta**step``, decoupled decay in AdamW mode).
 
-    Return: an :class:`OptimizerKernels`; any field may be ``None``. ``None`` overall means none:
-    DeepSpeed then refuses FusedAdam/CPUAdam rather than compiling them. First non-None result wins.
+    Return: an :class:`OptimizerKernels`; any field may be ``None``. Without ``fused_adamw`` DeepSpeed's
+    FusedAdam, and without ``host_adam_step`` its DeepSpeedCPUAdam, cannot be created: the op builder's
+    ``load()`` raises a RuntimeError naming the plugin (DeepSpeedCPUAdam raises its own from it) and
+    nothing is compiled. ``None`` overall means all three are absent. Without ``host_adam_rollback``, the
+    ``cpu_adam`` op's ``adam_rollback`` returns -1 with the error on stderr, as the compiled op does for
+    what it cannot undo (DeepSpeed 0.19 ignores that code: provide it if your users roll steps back).
     """
 
 
@@ -132,22 +146,26 @@ def devshim_attention_kernels(report: DeviceReport) -> AttentionKernels | None:
     PyTorch's conventions at the boundary: a vendor whose mask polarity, default scale or return
     shape differ converts inside the plugin, never in the caller.
 
-    Return: an :class:`AttentionKernels`; any field may be ``None`` (the framework keeps its own
-    implementation of that op). First non-None result wins.
+    Return: an :class:`AttentionKernels`; any field may be ``None``. This devshim version reports them
+    (``devshim info``) but no framework integration calls them yet: DeepSpeed keeps its own attention and
+    fused ops whatever the answer.
     """
 
 
 # -- vendor patches ----------------------------------------------------------------------------
 
 
+# not firstresult: the core receives ``[the plugin's list]`` (``[]`` for ``None``) and takes its items
 @hookspec
 def devshim_patches(report: DeviceReport) -> list[Patch] | None:
     """Declare vendor-specific patches (device gaps, workarounds) to apply with the core's.
 
-    Contract: each :class:`~devshim_core.patching.Patch` names its target, the version range it is
-    valid for and why it exists; it is applied, reported and reverted by the core's registry, all or
-    nothing. Never patch anything from this hook directly.
+    Contract: each :class:`~devshim_core.patching.Patch` names its target, why it exists and, in
+    ``requires``, the version ranges it is valid for. The core applies the plugin's patches as one set,
+    ``plugin:<name>``, before any framework integration: all of them or none (an unmet ``requires`` or a
+    failing patch stops activation with a PatchError naming the patch), reported by ``devshim info`` and
+    reverted by the core's registry. Never patch anything from this hook directly.
 
-    Return: a list of patches, or ``None``. Results of all the selected plugin's registered objects
-    are collected (not first-result).
+    Return: the plugin's list of patches, or ``None`` for none; an item that is not a ``Patch`` is a
+    PluginError.
     """

@@ -1,8 +1,10 @@
 """Declared patches: each names its target, the versions it is valid for and why it exists.
 
 Patches are grouped in :class:`PatchSet` s that are applied all-or-nothing, idempotently, reversibly,
-and recorded in the process-wide :data:`REGISTRY` that ``devshim info`` lists. Declaring a patch
-changes nothing; only :meth:`PatchRegistry.apply` does, and only ``devshim_core.auto`` calls it.
+and recorded in the process-wide :data:`REGISTRY` that ``devshim info`` lists. A set's ``requires`` and
+each patch's own ``requires`` are checked before anything changes: one unmet requirement refuses the
+whole set. Declaring a patch changes nothing; only :meth:`PatchRegistry.apply` does, and only
+``devshim_core.auto`` calls it.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def version_in_range(version: str, spec: str) -> bool:
 
 @dataclass(frozen=True)
 class Requirement:
-    """A distribution and the version range a patch set was written and tested for."""
+    """A distribution and the version range a patch set (or one patch) was written and tested for."""
 
     distribution: str
     spec: str
@@ -80,6 +82,15 @@ class Requirement:
         if not version_in_range(version, self.spec):
             return f"{self.distribution} {version} is installed, but this patch set supports {self.spec}"
         return None
+
+    def problem_for_patch(self, patch: Patch) -> str | None:
+        """Like :meth:`problem`, for a requirement of one patch: names the patch, the range and what is installed."""
+        version = self.installed()
+        if version is not None and version_in_range(version, self.spec):
+            return None
+        installed = "is not installed" if version is None else f"{version} is installed"
+        return (f"patch {patch.name!r} ({patch.target_description()}) supports {self.distribution} {self.spec}, "
+                f"but {self.distribution} {installed}")
 
 
 # -- patches -----------------------------------------------------------------------------------
@@ -101,10 +112,15 @@ _MISSING = object()
 
 
 class Patch(ABC):
-    """One change to the running program, with how to undo it."""
+    """One change to the running program, with how to undo it.
+
+    ``requires``: the versions this patch was written for, checked with its set's before anything is applied
+    (a plugin's patches form a set without ``requires`` of its own, so a vendor patch is version-gated here).
+    """
 
     name: str
     reason: str
+    requires: tuple[Requirement, ...] = ()
 
     @abstractmethod
     def target_description(self) -> str: ...
@@ -123,6 +139,7 @@ class SetAttribute(Patch):
     target: str
     make: Callable[[Any, Device], Any]
     reason: str
+    requires: tuple[Requirement, ...] = ()  # last, with a default: positional declarations keep working
 
     def target_description(self) -> str:
         return self.target
@@ -159,6 +176,7 @@ class RebindReferences(Patch):
     scope: str
     pairs: Callable[[Device], Iterable[tuple[Any, Any]]]
     reason: str
+    requires: tuple[Requirement, ...] = ()
 
     def target_description(self) -> str:
         return f"{self.scope}.* (stale references)"
@@ -189,7 +207,7 @@ class RebindReferences(Patch):
 
 @dataclass(frozen=True)
 class PatchSet:
-    """Patches that only make sense together, for the versions in ``requires``."""
+    """Patches that only make sense together, for the versions in ``requires`` (and each patch's own)."""
 
     name: str
     requires: tuple[Requirement, ...]
@@ -222,7 +240,17 @@ class PatchRegistry:
         return name in self._applied
 
     def check(self, patch_set: PatchSet) -> list[str]:
-        return [p for p in (r.problem() for r in patch_set.requires) if p]
+        """Every unmet requirement of ``patch_set`` and of its patches, in declaration order."""
+        problems = [_unmet(r, patch_set) for r in patch_set.requires]
+        for patch in patch_set.patches:
+            requires = patch.requires
+            # a plugin's declaration is checked here, where a mistake can still be reported as a PatchError
+            if not isinstance(requires, (tuple, list)) or not all(isinstance(r, Requirement) for r in requires):
+                problems.append(f"patch {patch.name!r} declares requires={requires!r:.120}, which is not a tuple "
+                                "of devshim_core.patching.Requirement")
+                continue
+            problems.extend(_unmet(r, patch_set, patch) for r in requires)
+        return [p for p in problems if p]
 
     def apply(self, patch_set: PatchSet, device: Device) -> AppliedPatchSet:
         """Apply every patch of ``patch_set`` or none of them. Applying an applied set does nothing."""
@@ -244,7 +272,7 @@ class PatchRegistry:
                                      "Nothing of this set was left applied.") from exc
                 applied.append(AppliedPatch(patch, detail, undo))
             record = AppliedPatchSet(patch_set, applied,
-                                     {r.distribution: r.installed() for r in patch_set.requires})
+                                     {r.distribution: r.installed() for r in _requirements(patch_set)})
             self._applied[patch_set.name] = record
             return record
 
@@ -262,19 +290,44 @@ class PatchRegistry:
             self.revert(name)
 
     def report(self) -> list[dict[str, Any]]:
+        """One row per applied patch. ``requires`` is the range each distribution had to be in for this patch:
+        its set's and its own clauses joined (both had to hold); ``versions`` what was installed."""
         rows = []
         for record in self._applied.values():
             for done in record.applied:
+                requires = _joined_specs((*record.patch_set.requires, *done.patch.requires))
                 rows.append({
                     "set": record.patch_set.name,
                     "name": done.patch.name,
                     "target": done.patch.target_description(),
                     "reason": done.patch.reason,
                     "detail": done.detail,
-                    "requires": {r.distribution: r.spec for r in record.patch_set.requires},
-                    "versions": record.versions,
+                    "requires": requires,
+                    "versions": {name: record.versions.get(name) for name in requires},
                 })
         return rows
+
+
+def _unmet(requirement: Requirement, patch_set: PatchSet, patch: Patch | None = None) -> str | None:
+    """Why ``requirement`` (of ``patch``, else of the set) is not met, or ``None``."""
+    try:
+        return requirement.problem() if patch is None else requirement.problem_for_patch(patch)
+    except ValueError as exc:  # a malformed range is a mistake of the declaration: refused like an unmet one
+        owner = f"patch set {patch_set.name!r}" if patch is None else f"patch {patch.name!r}"
+        return f"{owner} declares an invalid version range: {exc}"
+
+
+def _requirements(patch_set: PatchSet) -> list[Requirement]:
+    return [*patch_set.requires, *(r for patch in patch_set.patches for r in patch.requires)]
+
+
+def _joined_specs(requirements: Iterable[Requirement]) -> dict[str, str]:
+    """distribution -> its clauses, comma-joined: a comma means "and" in :func:`version_in_range`."""
+    specs: dict[str, list[str]] = {}
+    for r in requirements:
+        if r.spec not in specs.setdefault(r.distribution, []):
+            specs[r.distribution].append(r.spec)
+    return {name: ",".join(clauses) for name, clauses in specs.items()}
 
 
 REGISTRY = PatchRegistry()

@@ -86,7 +86,8 @@ class PluginRegistry:
     # -- loading ------------------------------------------------------------------------------
 
     def add(self, record: PluginRecord, loader: Any) -> None:
-        """Load ``record``'s plugin with ``loader()`` (an entry point's ``load`` or a constant) and register it."""
+        """Load ``record``'s plugin with ``loader()`` (an entry point's ``load`` or a constant) and register it:
+        one object per plugin, whose hook implementations are the plugin's answers."""
         if record.name in self.records:
             first = self.records[record.name]
             record.skipped = (f"conflict: plugin name {record.name!r} is also provided by "
@@ -129,7 +130,8 @@ class PluginRegistry:
     # -- calling ------------------------------------------------------------------------------
 
     def call(self, record: PluginRecord, hook: str, **kwargs: Any) -> Any:
-        """Call ``hook`` on one plugin only (its answer, or ``None`` when it does not implement it)."""
+        """Call ``hook`` on one plugin only: its answer, or ``None`` when it answers ``None`` or does not
+        implement the hook. ``devshim_patches`` (not firstresult) gives a list: ``[answer]``, or ``[]``."""
         others = [p for p in self.manager.get_plugins() if p is not record.plugin]
         caller = self.manager.subset_hook_caller(hook, remove_plugins=others)
         return caller(**kwargs)

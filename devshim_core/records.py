@@ -87,7 +87,8 @@ class DeviceTraits:
     """Facts about the device that change how frameworks drive it (``devshim_device_traits``).
 
     ``host_synchronous``: kernels complete before the call returns (CPU); DeepSpeed then uses host timers
-    and skips side streams. ``int64_supported``: False where the vendor narrows int64 to int32 (Sophgo).
+    and skips side streams. ``int64_supported``: False where the vendor narrows int64 to int32 (Sophgo); DeepSpeed's
+    ``accelerator.LongTensor`` then makes int32 tensors, as the vendor's own does.
     ``streams``: False where the device has no stream/event API of its own: frameworks then get host-side
     streams and events whose waits are already satisfied (right for host-synchronous devices).
     """
@@ -108,11 +109,14 @@ class CollectivesSpec:
     """How ranks talk on this device (``devshim_collectives``).
 
     ``backend``: the ``torch.distributed`` backend name (``gloo``, ``hccl``, ``sccl``).
-    ``init_kwargs``: extra keyword arguments for ``init_process_group`` (e.g. vendor ``pg_options``).
+    ``init_kwargs``: extra keyword arguments for ``init_process_group`` (e.g. vendor ``pg_options``); devshim
+    patches ``torch.distributed.init_process_group`` to add them, as defaults, to every call that chooses this
+    backend or none (reported as the ``torch.distributed`` patch set).
     ``export_env_prefixes``: environment-variable prefixes a launcher must forward to remote ranks.
     ``visible_devices_envs``: variables that restrict which devices a rank sees, first one canonical.
-    ``prepare``: called once in each process before the process group is created (register an
-    out-of-tree backend, set vendor environment); ``None`` when nothing is needed.
+    ``prepare``: called exactly once in each process, at activation, before any process group is created
+    (register an out-of-tree backend, set vendor environment); a later re-activation does not call it again.
+    ``None`` when nothing is needed.
     """
 
     backend: str
@@ -142,6 +146,24 @@ class AllocatorSpec:
     available_memory: Callable[..., int]
     config_env: str | None = None
     validate_config: Callable[[str], None] | None = None
+
+    @classmethod
+    def from_module(cls, module: Any, config_env: str | None = None,
+                    validate_config: Callable[[str], None] | None = None) -> AllocatorSpec:
+        """The spec of a ``torch.cuda``-shaped device module (``torch.npu``, ``torch.tpu``): its own memory
+        functions, total memory from ``get_device_properties`` and free memory from ``mem_get_info``."""
+
+        def total_memory(device: Any = None) -> int:
+            return module.get_device_properties(module.current_device() if device is None else device).total_memory
+
+        def available_memory(device: Any = None) -> int:
+            return module.mem_get_info(module.current_device() if device is None else device)[0]
+
+        return cls(memory_allocated=module.memory_allocated, max_memory_allocated=module.max_memory_allocated,
+                   memory_reserved=module.memory_reserved, max_memory_reserved=module.max_memory_reserved,
+                   reset_peak_memory_stats=module.reset_peak_memory_stats, memory_stats=module.memory_stats,
+                   empty_cache=module.empty_cache, total_memory=total_memory, available_memory=available_memory,
+                   config_env=config_env, validate_config=validate_config)
 
 
 class FusedAdamW(Protocol):

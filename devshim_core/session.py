@@ -37,6 +37,12 @@ def _install_integrations(session: Session) -> None:
         REGISTRY.apply(plugin_set, device)
         session.integrations[plugin_set.name] = f"applied ({len(device.patches)} patches)"
 
+    if device.collectives.init_kwargs:
+        from devshim_core.integrations.torch_distributed import patch_set
+
+        applied = REGISTRY.apply(patch_set(device), device)
+        session.integrations[applied.patch_set.name] = f"applied ({', '.join(device.collectives.init_kwargs)})"
+
     if installed_version("deepspeed") is None or importlib.util.find_spec("deepspeed") is None:
         session.integrations["deepspeed"] = "skipped: deepspeed is not installed"
     elif not settings.patch_deepspeed:
@@ -61,6 +67,10 @@ def activate(environ: Mapping[str, str] | None = None, extra_plugins: Any = ()) 
         if _active is not None:
             return _active
         settings = Settings.from_env(environ)
+        if settings.emulate:  # the simulated SDK must be importable before the plugins look for it
+            from devshim_core.emulation import install_sdk
+
+            install_sdk(settings.emulate)
         registry = discover(settings, extra_plugins)
         selection = select(registry, settings)
         device = build_device(registry, selection)

@@ -34,6 +34,14 @@ def parse_names(environ: Mapping[str, str], name: str) -> tuple[str, ...]:
     return names
 
 
+def _emulated_vendor(environ: Mapping[str, str]) -> str | None:
+    if not environ.get("DEVSHIM_EMULATE", "").strip():
+        return None  # the common case: the emulation package is not even imported
+    from devshim_core.emulation import requested_vendor
+
+    return requested_vendor(environ)
+
+
 @dataclass(frozen=True)
 class Settings:
     """The switches that steer discovery, selection and patching."""
@@ -44,6 +52,7 @@ class Settings:
     allowlist: tuple[str, ...] = ()  # DEVSHIM_PLUGINS (with autoload off)
     patch_deepspeed: bool = True  # DEVSHIM_PATCH_DEEPSPEED
     patch_megatron: bool = True  # DEVSHIM_PATCH_MEGATRON
+    emulate: str | None = None  # DEVSHIM_EMULATE: the vendor whose simulated SDK and emulated device to use
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -61,6 +70,7 @@ class Settings:
             allowlist=parse_names(env, "DEVSHIM_PLUGINS"),
             patch_deepspeed=parse_bool(env, "DEVSHIM_PATCH_DEEPSPEED", True),
             patch_megatron=parse_bool(env, "DEVSHIM_PATCH_MEGATRON", True),
+            emulate=_emulated_vendor(env),
         )
         if forced is not None and forced in settings.disabled:
             raise ConfigError(f"DEVSHIM_PLUGIN={forced} forces a plugin that DEVSHIM_DISABLED_PLUGINS also blocks; "

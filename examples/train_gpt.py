@@ -214,6 +214,10 @@ def main() -> None:
         chosen = f"plugin {SESSION.selection.plugin.name} ({SESSION.selection.reason})" if SESSION else "not imported"
         print(f"devshim: {chosen}; accelerator {type(accel).__name__}, device {device}, "
               f"backend {accel.communication_backend_name()}")
+    grad_devices: set[str] = set()
+    for param in engine.module.parameters():  # where autograd produced each gradient, before ZeRO moves it
+        if param.requires_grad:
+            param.register_hook(lambda grad: grad_devices.add(str(grad.device)))
     losses, times = [], []
     Block.forward_calls = 0
     tokens_per_step = args.micro_batch * args.seq * args.grad_accum * engine.dp_world_size
@@ -229,11 +233,13 @@ def main() -> None:
                 engine.backward(loss)
                 engine.step()
                 total += float(loss.detach()) / args.grad_accum
-            loss = torch.tensor(total)
-        loss = loss.detach().float().cpu().reshape(1)
+            loss = torch.tensor(total, device=device)
+        # collectives take device tensors (HCCL and SCCL refuse host ones): reduce first, then read
+        loss = loss.detach().float().reshape(1)
         if not args.pipeline_stages:  # the pipeline engine already reports the data-parallel mean
             dist.all_reduce(loss)
             loss /= world
+        loss = loss.cpu()
         elapsed = time.perf_counter() - t0
         losses.append(float(loss))
         times.append(elapsed)
@@ -247,8 +253,16 @@ def main() -> None:
     steady = times[len(times) // 2:] or times
     blocks = sum(isinstance(m, Block) for m in engine.module.modules())  # on this rank's pipeline stage
     basic = getattr(optimizer, "optimizer", optimizer)  # what a ZeRO/bf16 wrapper steps with
+    state_devices = sorted({str(value.device) for state in getattr(basic, "state", {}).values()
+                            for value in state.values() if torch.is_tensor(value) and value.dim() > 0})
     summary = {
         "rank_count": world,
+        "dist_backend": dist.get_backend(),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "current_device": accel.current_device(),
+        "param_devices": sorted({str(p.device) for p in engine.module.parameters()}),
+        "grad_devices": sorted(grad_devices),
+        "optimizer_state_devices": state_devices,
         "accelerator": type(accel).__name__,
         "accelerator_module": type(accel).__module__,
         "device": str(device),
@@ -282,10 +296,11 @@ def main() -> None:
         "first_step_done_at": first_step_done_at if times else None,
     }
     # every rank's view of the per-process facts, so a report proves them for the whole job, not rank 0 alone
-    per_rank_fields = ("accelerator", "plugin", "device_count", "visible_devices", "deepspeed_imported_before_devshim",
-                       "deepspeed_integration", "engine", "pipeline_stage", "optimizer", "basic_optimizer",
-                       "engine_optimizer_op", "fused_op", "param_dtype", "start_step", "blocks",
-                       "forwards_per_block_per_micro_batch")
+    per_rank_fields = ("dist_backend", "local_rank", "current_device", "device", "param_devices", "grad_devices",
+                       "optimizer_state_devices", "accelerator", "plugin", "device_count", "visible_devices",
+                       "deepspeed_imported_before_devshim", "deepspeed_integration", "engine", "pipeline_stage",
+                       "optimizer", "basic_optimizer", "engine_optimizer_op", "fused_op", "param_dtype", "start_step",
+                       "blocks", "forwards_per_block_per_micro_batch")
     ranks: list = [None] * world
     dist.all_gather_object(ranks, {"rank": rank, **{key: summary[key] for key in per_rank_fields}})
     summary["ranks"] = ranks

@@ -1,5 +1,6 @@
 """Spec: the patch registry. Declared patches are applied all or nothing, idempotently, for the versions they
-were written for, reverted exactly, and reported with target, reason and detail.
+were written for (their set's and each patch's own), reverted exactly, and reported with target, reason, detail
+and version range.
 
 Every test patches throwaway modules registered in ``sys.modules`` under unique names, through its own
 :class:`PatchRegistry` (the process-wide ``REGISTRY`` belongs to ``devshim_core.auto``).
@@ -73,8 +74,8 @@ def patch_set(*patches, name="test-set", requires=()) -> PatchSet:
     return PatchSet(name=name, requires=requires, patches=patches, reason="exercise the registry")
 
 
-def set_attribute(target: str, make, name: str = "swap") -> SetAttribute:
-    return SetAttribute(name=name, target=target, make=make, reason=f"why {name} exists")
+def set_attribute(target: str, make, name: str = "swap", requires=()) -> SetAttribute:
+    return SetAttribute(name=name, target=target, make=make, reason=f"why {name} exists", requires=requires)
 
 
 # -- applying and reverting ----------------------------------------------------------------------
@@ -269,6 +270,94 @@ def test_a_set_for_the_installed_version_applies_and_its_report_lists_target_rea
         "requires": {"pluggy": f">={PLUGGY_MAJOR},<{PLUGGY_MAJOR + 1}"},
         "versions": {"pluggy": PLUGGY},
     }]
+
+
+# -- version gating of single patches ----------------------------------------------------------------
+
+
+def test_a_patch_declared_without_requires_supports_every_version_and_its_fields_keep_their_order():
+    positional = SetAttribute("swap", "json:dumps", replace_with(replacement), "why swap exists")
+    assert positional.requires == ()
+    assert positional == SetAttribute(name="swap", target="json:dumps", make=positional.make,
+                                      reason="why swap exists")
+    rebind = RebindReferences("rebind", "json", lambda device: [], "why rebind exists")
+    assert rebind.requires == ()
+
+
+def test_a_patch_for_the_installed_version_applies_and_its_report_row_shows_its_range_with_its_sets(
+        make_module, registry):
+    module = make_module(f=original, g=original)
+    declared = patch_set(
+        set_attribute(f"{module.__name__}:f", replace_with(replacement), name="plain"),
+        set_attribute(f"{module.__name__}:g", replace_with(replacement), name="gated",
+                      requires=(Requirement("pluggy", f"<{PLUGGY_MAJOR + 1}"), Requirement("pytest", ">=7"))),
+        requires=(Requirement("pluggy", f">={PLUGGY_MAJOR}"),))
+    registry.apply(declared, DEVICE)
+    assert (module.f, module.g) == (replacement, replacement)
+    plain, gated = registry.report()
+    assert (plain["requires"], plain["versions"]) == ({"pluggy": f">={PLUGGY_MAJOR}"}, {"pluggy": PLUGGY})
+    # both ranges had to hold for the gated patch: its row joins the clauses ("," is "and")
+    assert gated["requires"] == {"pluggy": f">={PLUGGY_MAJOR},<{PLUGGY_MAJOR + 1}", "pytest": ">=7"}
+    assert gated["versions"] == {"pluggy": PLUGGY, "pytest": pytest.__version__}
+    assert version_in_range(PLUGGY, gated["requires"]["pluggy"])
+
+
+def test_a_patch_for_versions_that_are_not_installed_refuses_its_whole_set_and_names_patch_range_and_version(
+        make_module, registry):
+    module = make_module(f=original, g=original)
+    made = []
+    declared = patch_set(
+        set_attribute(f"{module.__name__}:f", lambda old, device: made.append("f") or replacement, name="first"),
+        set_attribute(f"{module.__name__}:g", lambda old, device: made.append("g") or replacement, name="second",
+                      requires=(Requirement("pluggy", f"<{PLUGGY_MAJOR}"),)))
+    with pytest.raises(PatchError) as excinfo:
+        registry.apply(declared, DEVICE)
+    assert str(excinfo.value) == (f"cannot apply devshim's 'test-set' patches: patch 'second' ({module.__name__}:g) "
+                                  f"supports pluggy <{PLUGGY_MAJOR}, but pluggy {PLUGGY} is installed.")
+    assert made == []  # refused before anything was built: the in-range first patch was not applied either
+    assert (module.f, module.g) == (original, original)
+    assert not registry.is_applied("test-set") and registry.report() == []
+
+
+def test_a_patch_for_a_distribution_that_is_not_installed_refuses_its_whole_set(make_module, registry):
+    module = make_module(f=original)
+    declared = patch_set(RebindReferences(name="rebind", scope=module.__name__,
+                                          pairs=lambda device: [(original, replacement)], reason="r",
+                                          requires=(Requirement("devshim-no-such-distribution", ">=1"),)))
+    with pytest.raises(PatchError) as excinfo:
+        registry.apply(declared, DEVICE)
+    assert str(excinfo.value) == (f"cannot apply devshim's 'test-set' patches: patch 'rebind' ({module.__name__}.* "
+                                  "(stale references)) supports devshim-no-such-distribution >=1, but "
+                                  "devshim-no-such-distribution is not installed.")
+    assert module.f is original and registry.report() == []
+
+
+def test_every_unmet_requirement_of_a_set_and_of_its_patches_is_named_at_once(registry):
+    declared = patch_set(set_attribute("json:dumps", replace_with(replacement), name="a",
+                                       requires=(Requirement("pluggy", f">={PLUGGY_MAJOR + 1}"),)),
+                         set_attribute("json:loads", replace_with(replacement), name="b"),
+                         requires=(Requirement("devshim-no-such-distribution", ">=1"),))
+    assert registry.check(declared) == [
+        "devshim-no-such-distribution is not installed",
+        f"patch 'a' (json:dumps) supports pluggy >={PLUGGY_MAJOR + 1}, but pluggy {PLUGGY} is installed",
+    ]
+
+
+@pytest.mark.parametrize(("requires", "complaint"), [
+    (Requirement("pluggy", ">=1"), "patch 'swap' declares requires=Requirement(distribution='pluggy', spec='>=1'), "
+                                   "which is not a tuple of devshim_core.patching.Requirement"),
+    (("pluggy>=1",), "patch 'swap' declares requires=('pluggy>=1',), which is not a tuple of "
+                     "devshim_core.patching.Requirement"),
+    ((Requirement("pluggy", "1.0"),), "patch 'swap' declares an invalid version range: bad version clause '1.0' "
+                                      "in '1.0'"),
+])
+def test_a_malformed_requires_refuses_the_set_with_a_patch_error_too(make_module, registry, requires, complaint):
+    module = make_module(f=original)
+    with pytest.raises(PatchError) as excinfo:
+        registry.apply(patch_set(set_attribute(f"{module.__name__}:f", replace_with(replacement),
+                                               requires=requires)), DEVICE)
+    assert str(excinfo.value) == f"cannot apply devshim's 'test-set' patches: {complaint}."
+    assert module.f is original
 
 
 @pytest.mark.parametrize(("version", "spec", "expected"), [

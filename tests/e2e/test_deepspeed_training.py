@@ -1,4 +1,8 @@
-"""End to end: unmodified DeepSpeed training, 2 ranks over gloo, on the CPU through devshim's ``cpu_reference`` plugin.
+"""End to end: unmodified DeepSpeed training on 2 ranks through devshim, on three platforms:
+
+- ``cpu``: the host CPU through the ``cpu_reference`` plugin, over gloo;
+- ``npu``: the emulated Ascend device through the ``ascend`` plugin (``DEVSHIM_EMULATE=ascend``), over hccl;
+- ``tpu``: the emulated Sophgo device through the ``sophgo`` plugin (``DEVSHIM_EMULATE=sophgo``), over sccl.
 
 Every test launches ``examples/train_gpt.py`` as a real multi-process job (``torchrun``, or the ``deepspeed``
 launcher) and reads the JSON report rank 0 writes, which carries every rank's view of the accelerator,
@@ -21,7 +25,12 @@ pipeline engine, 2 stages, ZeRO-1          torchrun     one stage per rank, trai
 =========================================  ===========  =====================================================
 
 Every job also proves that DeepSpeed ran through devshim's accelerator on every rank, that the loss fell,
-and that nothing was JIT-compiled (each job gets a fresh TORCH_EXTENSIONS_DIR that must stay empty).
+and that nothing was JIT-compiled (each job gets a fresh TORCH_EXTENSIONS_DIR that must stay empty). On an
+emulated device it also proves that parameters, gradients and (unless offloaded) optimizer states live on
+the rank's own device index, that the vendor backend ran the collectives (``dist.get_backend()``), and that
+the losses match the same job on the CPU within ``EMULATED_LOSS_RTOL`` (fp32) or ``EMULATED_LOSS_RTOL_HALF``
+(bf16/fp16): the emulator runs the CPU kernels, except where an op's device decomposition differs (LayerNorm,
+~1e-7 per call).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from typing import Any
 import pytest
 
 from .launch import Job, assert_loss_fell, run_job
+from .platforms import ALL, Platform, build_emulator
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("deepspeed", reason="the end-to-end runs need the deepspeed extra")
@@ -40,27 +50,69 @@ STEPS = 10
 # Cross-entropy starts near ln(128) = 4.85 and these runs reach ~3.6-3.8 after 10 steps (a drop of 1.2-1.4
 # nats); every run is seeded and deterministic, so requiring half a nat is far from noise yet proves learning.
 LOSS_DROP = 0.5
-# What the deepspeed-launcher test relies on the plugin reporting; rank processes see it via the launcher.
-CPU_VISIBLE_DEVICES = "DEVSHIM_CPU_VISIBLE_DEVICES"
+EMULATED_LOSS_RTOL = 1e-4
+EMULATED_LOSS_RTOL_HALF = 2e-2
+_cpu_losses: dict[tuple[str, ...], list[float]] = {}
 
 
-def assert_trained_through_devshim(job: Job, report: dict[str, Any], *, optimizer_op: str) -> None:
-    """Both ranks ran DeepSpeed on devshim's accelerator/plugin and stepped with devshim's ``optimizer_op``."""
+@pytest.fixture(params=ALL, ids=[p.id for p in ALL])
+def platform(request: pytest.FixtureRequest) -> Platform:
+    if request.param.emulated:
+        build_emulator()
+    return request.param
+
+
+def train(platform: Platform, args: list[str], workdir: Path, env: dict[str, str] | None = None,
+          launcher: str = "torchrun", launcher_args: tuple[str, ...] = ()) -> Job:
+    job = run_job(launcher, args, workdir, env=platform.job_env(env), launcher_args=launcher_args)
+    if platform.device_type == "cpu" and job.returncode == 0 and job.report_path.exists():
+        _cpu_losses[tuple(args)] = job.report()["losses"]
+    return job
+
+
+def assert_matches_cpu(platform: Platform, args: list[str], losses: list[float], workdir: Path, job: Job) -> None:
+    """An emulated job computes what the same job computes on the CPU, within the stated tolerance."""
+    if not platform.emulated:
+        return
+    key = tuple(args)
+    if key not in _cpu_losses:  # the CPU variant was deselected: run it for the reference
+        from .platforms import CPU
+
+        train(CPU, args, workdir / "cpu-reference").report()
+    rtol = EMULATED_LOSS_RTOL_HALF if ("--bf16" in args or "--fp16" in args) else EMULATED_LOSS_RTOL
+    reference = _cpu_losses[key]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+    assert worst <= rtol, (f"{platform.id} losses differ from the CPU's by {worst:.2e} (> {rtol:.0e}):\n"
+                           f"  {platform.id}: {losses}\n  cpu: {reference}\n{job.tail()}")
+
+
+def assert_trained_through_devshim(job: Job, report: dict[str, Any], *, optimizer_op: str,
+                                   platform: Platform) -> None:
+    """Both ranks ran DeepSpeed on devshim's accelerator/plugin and stepped with devshim's ``optimizer_op``; on a
+    vendor device, each rank's parameters, gradients and optimizer states sit on its own device index and the
+    vendor's backend ran the collectives."""
     context = f"\nreport: {report}\n{job.tail()}"
     assert report["rank_count"] == 2, context
-    assert report["backend"] == "gloo", context
+    assert report["backend"] == platform.backend, context
     assert report["accelerator_module"] == "devshim_core.integrations.deepspeed.accelerator", context
     assert [r["rank"] for r in report["ranks"]] == [0, 1], context
     for rank in report["ranks"]:
         assert rank["accelerator"] == "DevshimAccelerator", context
-        assert rank["plugin"] == "cpu_reference", context
+        assert rank["plugin"] == platform.plugin, context
+        assert rank["dist_backend"] == platform.backend, context  # torch's answer, not the accelerator's
+        own = platform.device_of_rank(rank["local_rank"])
+        assert rank["current_device"] == rank["local_rank"], context
+        assert rank["device"] == own and rank["param_devices"] == [own], context
+        assert rank["grad_devices"] == [own], context
+        offloaded = optimizer_op == "HostAdamOp"
+        assert rank["optimizer_state_devices"] == (["cpu"] if offloaded else [own]), context
         if optimizer_op == "FusedAdamOp":  # DeepSpeed's FusedAdam on devshim's fused kernel
             assert rank["basic_optimizer"] == "FusedAdam", context
             assert rank["fused_op"] == "FusedAdamOp", context
         else:  # ZeRO-Offload: DeepSpeedCPUAdam on devshim's host kernel
             assert rank["basic_optimizer"] == "DeepSpeedCPUAdam", context
             assert rank["engine_optimizer_op"] == optimizer_op, context
-    assert "devshim: plugin cpu_reference" in job.stdout, context
+    assert f"devshim: plugin {platform.plugin}" in job.stdout, context
     assert job.compiled_extensions() == [], f"a DeepSpeed op was JIT-compiled: {job.compiled_extensions()}{context}"
 
 
@@ -71,18 +123,20 @@ def assert_gradient_accumulation(job: Job, report: dict[str, Any], micro_batches
     assert report["micro_steps"] == STEPS * micro_batches, job.tail()
 
 
-def test_zero1_bf16_gradient_accumulation_with_deepspeed_imported_before_devshim(tmp_path: Path) -> None:
+def test_zero1_bf16_gradient_accumulation_with_deepspeed_imported_before_devshim(tmp_path: Path,
+                                                                                   platform: Platform) -> None:
     """A script that runs ``import deepspeed`` before ``import devshim_core.auto`` still trains on devshim.
 
     DeepSpeed has by then auto-detected its own CPU accelerator and bound op builders from it; devshim must
     rebind them so that FusedAdam loads devshim's FusedAdamOp (and nothing is compiled). The same job proves
     ZeRO-1 partitioning of bf16 parameters with 2 micro-batches accumulated per optimizer step.
     """
-    job = run_job("torchrun", ["--zero-stage", "1", "--bf16", "--grad-accum", "2", "--steps", str(STEPS)], tmp_path,
-                  env={"DEVSHIM_EXAMPLE_IMPORT_DEEPSPEED_FIRST": "1"})
+    args = ["--zero-stage", "1", "--bf16", "--grad-accum", "2", "--steps", str(STEPS)]
+    job = train(platform, args, tmp_path, env={"DEVSHIM_EXAMPLE_IMPORT_DEEPSPEED_FIRST": "1"})
     report = job.report()
 
-    assert_trained_through_devshim(job, report, optimizer_op="FusedAdamOp")
+    assert_trained_through_devshim(job, report, optimizer_op="FusedAdamOp", platform=platform)
+    assert_matches_cpu(platform, args, report["losses"], tmp_path, job)
     for rank in report["ranks"]:
         assert rank["deepspeed_imported_before_devshim"] is True, job.tail()
         assert rank["deepspeed_integration"].startswith("applied (deepspeed was imported first"), rank
@@ -94,18 +148,19 @@ def test_zero1_bf16_gradient_accumulation_with_deepspeed_imported_before_devshim
     assert_loss_fell(report["losses"], STEPS, LOSS_DROP, job)
 
 
-def test_zero2_optimizer_offload_steps_adam_with_devshim_host_kernel(tmp_path: Path) -> None:
+def test_zero2_optimizer_offload_steps_adam_with_devshim_host_kernel(tmp_path: Path, platform: Platform) -> None:
     """ZeRO-2 with the optimizer offloaded to the host (ZeRO-Offload) runs DeepSpeedCPUAdam on HostAdamOp.
 
     The devshim line comes first (the default import order), so devshim's builders are armed before DeepSpeed
     binds them; DeepSpeedCPUAdam's ``ds_opt_adam`` is devshim's HostAdamOp on both ranks, with 2 micro-batches
     accumulated per step.
     """
-    job = run_job("torchrun", ["--zero-stage", "2", "--offload", "--grad-accum", "2", "--steps", str(STEPS)],
-                  tmp_path)
+    args = ["--zero-stage", "2", "--offload", "--grad-accum", "2", "--steps", str(STEPS)]
+    job = train(platform, args, tmp_path)
     report = job.report()
 
-    assert_trained_through_devshim(job, report, optimizer_op="HostAdamOp")
+    assert_trained_through_devshim(job, report, optimizer_op="HostAdamOp", platform=platform)
+    assert_matches_cpu(platform, args, report["losses"], tmp_path, job)
     for rank in report["ranks"]:
         assert rank["deepspeed_imported_before_devshim"] is False, rank
         assert rank["deepspeed_integration"].startswith("armed"), rank
@@ -123,7 +178,8 @@ def test_zero2_optimizer_offload_steps_adam_with_devshim_host_kernel(tmp_path: P
     pytest.param(["--zero-stage", "3", "--bf16"], 3, "FusedAdamOp", "torch.bfloat16", id="zero3-bf16"),
 ])
 def test_activation_checkpointing_recomputes_every_block_in_backward(
-        tmp_path: Path, zero_args: list[str], zero_stage: int, optimizer_op: str, param_dtype: str) -> None:
+        tmp_path: Path, zero_args: list[str], zero_stage: int, optimizer_op: str, param_dtype: str,
+        platform: Platform) -> None:
     """``deepspeed.checkpointing.checkpoint`` trains on both ranks, recomputing each block in backward.
 
     The script counts block forwards: 2 per block and micro-batch on each rank (forward, then recompute)
@@ -131,10 +187,12 @@ def test_activation_checkpointing_recomputes_every_block_in_backward(
     devshim's accelerator; with ZeRO-2 + offload the optimizer steps on devshim's host Adam, with ZeRO-3 the
     recompute re-gathers the partitioned bf16 parameters.
     """
-    job = run_job("torchrun", [*zero_args, "--activation-checkpointing", "--steps", str(STEPS)], tmp_path)
+    args = [*zero_args, "--activation-checkpointing", "--steps", str(STEPS)]
+    job = train(platform, args, tmp_path)
     report = job.report()
 
-    assert_trained_through_devshim(job, report, optimizer_op=optimizer_op)
+    assert_trained_through_devshim(job, report, optimizer_op=optimizer_op, platform=platform)
+    assert_matches_cpu(platform, args, report["losses"], tmp_path, job)
     for rank in report["ranks"]:
         assert rank["blocks"] == 2, rank
         assert rank["forwards_per_block_per_micro_batch"] == 2.0, rank
@@ -143,7 +201,8 @@ def test_activation_checkpointing_recomputes_every_block_in_backward(
     assert_loss_fell(report["losses"], STEPS, LOSS_DROP, job)
 
 
-def test_zero3_checkpoint_resume_restores_client_state_and_reproduces_losses_exactly(tmp_path: Path) -> None:
+def test_zero3_checkpoint_resume_restores_client_state_and_reproduces_losses_exactly(tmp_path: Path,
+                                                                                      platform: Platform) -> None:
     """save_checkpoint at step 5 then load_checkpoint in a new job continues exactly where training left off.
 
     Job 1 trains 10 steps uninterrupted and saves a ZeRO-3 checkpoint after step 5 with client state
@@ -155,19 +214,19 @@ def test_zero3_checkpoint_resume_restores_client_state_and_reproduces_losses_exa
     lost or altered in the round trip.
     """
     ckpt = tmp_path / "checkpoints"
-    first = run_job("torchrun", ["--zero-stage", "3", "--steps", str(STEPS), "--save-dir", str(ckpt), "--save-at", "5"],
-                    tmp_path / "uninterrupted")
+    first = train(platform, ["--zero-stage", "3", "--steps", str(STEPS), "--save-dir", str(ckpt), "--save-at", "5"],
+                  tmp_path / "uninterrupted")
     uninterrupted = first.report()
-    assert_trained_through_devshim(first, uninterrupted, optimizer_op="FusedAdamOp")
+    assert_trained_through_devshim(first, uninterrupted, optimizer_op="FusedAdamOp", platform=platform)
     assert uninterrupted["zero_stage"] == 3
     assert uninterrupted["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
     assert_loss_fell(uninterrupted["losses"], STEPS, LOSS_DROP, first)
     assert (ckpt / "latest").read_text().strip() == "global_step5", sorted(p.name for p in ckpt.iterdir())
 
-    second = run_job("torchrun", ["--zero-stage", "3", "--steps", str(STEPS), "--load-dir", str(ckpt)],
-                     tmp_path / "resumed")
+    second = train(platform, ["--zero-stage", "3", "--steps", str(STEPS), "--load-dir", str(ckpt)],
+                   tmp_path / "resumed")
     resumed = second.report()
-    assert_trained_through_devshim(second, resumed, optimizer_op="FusedAdamOp")
+    assert_trained_through_devshim(second, resumed, optimizer_op="FusedAdamOp", platform=platform)
     assert [r["start_step"] for r in resumed["ranks"]] == [5, 5], second.tail()
     assert resumed["client_state"] == {"step": 5, "losses": uninterrupted["losses"][:5]}, second.tail()
     assert resumed["optimizer_steps"] == STEPS, second.tail()
@@ -176,7 +235,7 @@ def test_zero3_checkpoint_resume_restores_client_state_and_reproduces_losses_exa
         f"{uninterrupted['losses'][5:]}\n  resumed:                   {resumed['losses']}\n{second.tail()}")
 
 
-def test_deepspeed_launcher_sizes_the_job_from_devshim_device_count(tmp_path: Path) -> None:
+def test_deepspeed_launcher_sizes_the_job_from_devshim_device_count(tmp_path: Path, platform: Platform) -> None:
     """The ``deepspeed`` launcher, given no --num_gpus, starts one rank per devshim device (ZeRO-0, fp16).
 
     With DEVSHIM_AUTO=1 devshim activates at interpreter start-up in the launcher process itself, so the
@@ -185,17 +244,18 @@ def test_deepspeed_launcher_sizes_the_job_from_devshim_device_count(tmp_path: Pa
     line before DeepSpeed's, train plain data-parallel (ZeRO-0) in fp16 with dynamic loss scaling, DeepSpeed's
     FP16_Optimizer stepping devshim's FusedAdamOp.
     """
-    job = run_job("deepspeed", ["--zero-stage", "0", "--fp16", "--steps", str(STEPS)], tmp_path,
-                  env={"DEVSHIM_AUTO": "1", "DEVSHIM_CPU_DEVICE_COUNT": "2"})
+    args = ["--zero-stage", "0", "--fp16", "--steps", str(STEPS)]
+    job = train(platform, args, tmp_path, env={"DEVSHIM_AUTO": "1", **platform.two_devices_env}, launcher="deepspeed")
     assert "--num_gpus" not in job.command and "--num_nodes" not in job.command
     report = job.report()
 
     assert "WORLD INFO DICT: {'localhost': [0, 1]}" in job.output, job.tail()
-    assert f"Setting {CPU_VISIBLE_DEVICES}=0,1" in job.output, job.tail()
-    assert_trained_through_devshim(job, report, optimizer_op="FusedAdamOp")
+    assert f"Setting {platform.visible_devices_env}=0,1" in job.output, job.tail()
+    assert_trained_through_devshim(job, report, optimizer_op="FusedAdamOp", platform=platform)
+    assert_matches_cpu(platform, args, report["losses"], tmp_path, job)
     for rank in report["ranks"]:
         assert rank["device_count"] == 2, rank
-        assert rank["visible_devices"] == {CPU_VISIBLE_DEVICES: "0,1"}, rank
+        assert rank["visible_devices"] == {platform.visible_devices_env: "0,1"}, rank
     assert report["zero_stage"] == 0
     assert report["optimizer"] == "FP16_Optimizer"  # no ZeRO wrapper at stage 0, fp16's master-weight one
     assert all(rank["param_dtype"] == "torch.float16" for rank in report["ranks"])
@@ -203,18 +263,19 @@ def test_deepspeed_launcher_sizes_the_job_from_devshim_device_count(tmp_path: Pa
     assert_loss_fell(report["losses"], STEPS, LOSS_DROP, job)
 
 
-def test_pipeline_engine_trains_two_stages_one_per_rank(tmp_path: Path) -> None:
+def test_pipeline_engine_trains_two_stages_one_per_rank(tmp_path: Path, platform: Platform) -> None:
     """DeepSpeed's PipelineEngine splits the GPT into 2 stages, one per rank, and trains it through devshim.
 
     Stage 0 holds the embedding and the first block, stage 1 the second block and the head (uniform
     partition); each step runs 2 micro-batches through the pipeline schedule, with activations and gradients
     sent between the ranks over gloo, and each stage's ZeRO-1 optimizer steps with devshim's FusedAdamOp.
     """
-    job = run_job("torchrun", ["--pipeline-stages", "2", "--zero-stage", "1", "--grad-accum", "2",
-                               "--steps", str(STEPS)], tmp_path)
+    args = ["--pipeline-stages", "2", "--zero-stage", "1", "--grad-accum", "2", "--steps", str(STEPS)]
+    job = train(platform, args, tmp_path)
     report = job.report()
 
-    assert_trained_through_devshim(job, report, optimizer_op="FusedAdamOp")
+    assert_trained_through_devshim(job, report, optimizer_op="FusedAdamOp", platform=platform)
+    assert_matches_cpu(platform, args, report["losses"], tmp_path, job)
     assert report["engine"] == "PipelineEngine"
     assert report["pipeline_stages"] == 2
     assert report["data_parallel_size"] == 1

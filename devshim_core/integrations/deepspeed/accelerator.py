@@ -248,7 +248,10 @@ class DevshimAccelerator(DeepSpeedAccelerator):
             return legacy
         if self._name == "cpu":
             return getattr(torch, name)
-        return _TensorType(_TENSOR_TYPES[name], self._devshim_device)
+        dtype = _TENSOR_TYPES[name]
+        if dtype == torch.int64 and not self._devshim_device.traits.int64_supported:
+            dtype = torch.int32  # a device without int64 narrows it, as its vendor's own LongTensor does
+        return _TensorType(dtype, self._devshim_device)
 
     @property
     def BFloat16Tensor(self) -> Any:

@@ -1,0 +1,129 @@
+"""Build the emulated device's C++ source once per machine, torch version and source hash; load it after that.
+
+Only emulation asks for it. The build goes to ``$DEVSHIM_CACHE_DIR`` (default ``~/.cache/devshim``), never to
+``TORCH_EXTENSIONS_DIR``, and is guarded by a file lock so that the ranks of a job starting together build
+it once between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from devshim_core.errors import ConfigError
+
+SOURCE = Path(__file__).with_name("csrc") / "emulated_device.cpp"
+_loaded: ModuleType | None = None
+
+
+class EmulationBuildError(ConfigError):
+    """The emulated device cannot be built here; the message says what is missing."""
+
+
+def cache_root() -> Path:
+    configured = os.environ.get("DEVSHIM_CACHE_DIR", "").strip()
+    return Path(configured) if configured else Path.home() / ".cache" / "devshim"
+
+
+def build_key() -> str:
+    """What the binary depends on: the source, the torch build and the C++ ABI it was compiled with."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(f"{torch.__version__}|{torch._C._GLIBCXX_USE_CXX11_ABI}|{sysconfig.get_config_var('SOABI')}".encode())
+    return digest.hexdigest()[:16]
+
+
+def module_name() -> str:
+    return f"devshim_emulated_device_{build_key()}"
+
+
+def build_directory() -> Path:
+    return cache_root() / "emulation" / f"torch-{torch.__version__}" / build_key()
+
+
+def missing_build_tools() -> list[str]:
+    """What a build needs and this machine lacks, each with how to get it."""
+    missing = []
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        missing.append(f"a C++ compiler ({compiler!r} is not on PATH: install g++, e.g. `apt-get install g++`, "
+                       "or set CXX)")
+    include = sysconfig.get_paths().get("include", "")
+    if not (Path(include) / "Python.h").exists():
+        missing.append(f"the Python headers ({include}/Python.h is missing: install python3-dev)")
+    if shutil.which("ninja") is None and importlib.util.find_spec("ninja") is None:
+        missing.append("ninja (pip install ninja)")
+    return missing
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _built_library(directory: Path, name: str) -> Path | None:
+    candidates = sorted(directory.glob(f"{name}*.so"))
+    return candidates[0] if candidates else None
+
+
+def _import_library(path: Path, name: str) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _compile(directory: Path, name: str) -> None:
+    missing = missing_build_tools()
+    if missing:
+        raise EmulationBuildError("devshim's device emulation compiles a small C++ extension once per machine, and "
+                                  f"this machine lacks: {'; '.join(missing)}. Nothing was built; emulation stays off.")
+    from torch.utils.cpp_extension import load
+
+    env_before = os.environ.get("MAX_JOBS")
+    os.environ.setdefault("MAX_JOBS", "2")
+    try:
+        load(name=name, sources=[str(SOURCE)], build_directory=str(directory), extra_cflags=["-O1"],
+             is_python_module=True, verbose=False)
+    except Exception as exc:  # a compiler error: say where the log is
+        raise EmulationBuildError(f"building devshim's emulated device failed in {directory}: {exc}") from exc
+    finally:
+        if env_before is None:
+            os.environ.pop("MAX_JOBS", None)
+
+
+def load_extension() -> ModuleType:
+    """The compiled emulator, built first if this machine has no build of this source for this torch."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    name, directory = module_name(), build_directory()
+    library = _built_library(directory, name)
+    if library is None:
+        with _locked(directory):
+            library = _built_library(directory, name)
+            if library is None:
+                _compile(directory, name)
+                library = _built_library(directory, name)
+    if library is None:
+        raise EmulationBuildError(f"the emulated device was built in {directory} but no {name}*.so is there")
+    _loaded = _import_library(library, name)
+    return _loaded

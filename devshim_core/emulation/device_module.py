@@ -1,0 +1,236 @@
+"""The ``torch.<name>`` module of an emulated device: ``torch.cuda``'s names, on the compiled emulator.
+
+A vendor SDK registers a module like this one as ``torch.npu`` / ``torch.tpu``; the simulated SDKs register
+this one. Streams and events are torch's generic ``torch.Stream`` / ``torch.Event`` on the emulator's
+device guard (execution is synchronous, so every wait is already satisfied, but stream identity, the
+current stream and event timing are real).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import torch
+
+
+class DeviceProperties(NamedTuple):
+    name: str
+    total_memory: int
+    multi_processor_count: int = 1
+    major: int = 0
+    minor: int = 0
+
+
+def _index(device: Any, default: int) -> int:
+    if device is None:
+        return default
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        return default if device.index is None else device.index
+    raise TypeError(f"expected a device index, a device string or a torch.device, got {device!r}")
+
+
+class _Generators(Sequence):
+    def __init__(self, extension: ModuleType) -> None:
+        self._extension = extension
+
+    def __len__(self) -> int:
+        return self._extension.device_count()
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not 0 <= index < len(self):
+            raise IndexError(f"device index {index} out of range (0..{len(self) - 1})")
+        return self._extension.default_generator(index)
+
+
+class EmulatedDeviceModule(ModuleType):
+    """``torch.<name>`` for the emulated device ``name``."""
+
+    def __init__(self, name: str, extension: ModuleType, device_name: str, bf16: bool = True) -> None:
+        super().__init__(f"torch.{name}")
+        self.type = name
+        self._ext = extension
+        self._device_name = device_name
+        self._bf16 = bf16
+        self._memory_fraction: dict[int, float] = {}
+        self.default_generators = _Generators(extension)
+        module = self
+
+        class Stream(torch.Stream):
+            """A stream of the emulated device (``torch.Stream`` on its device guard)."""
+
+            def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Any:
+                index = _index(device, module.current_device())
+                return super().__new__(cls, device=torch.device(name, index), priority=priority, **kwargs)
+
+        def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                  **kwargs: Any) -> torch.Event:
+            """An event of the emulated device (``torch.Event``); ``elapsed_time`` is host time between records."""
+            return torch.Event(device=torch.device(name, module.current_device()), enable_timing=enable_timing,
+                               blocking=blocking, interprocess=interprocess)
+
+        class device:
+            """Context manager that makes ``index`` the current device, as ``torch.cuda.device``."""
+
+            def __init__(self, index: Any) -> None:
+                self.index = _index(index, -1)
+                self.previous = -1
+
+            def __enter__(self) -> None:
+                self.previous = module.current_device()
+                if self.index >= 0:
+                    module.set_device(self.index)
+
+            def __exit__(self, *exc: Any) -> None:
+                module.set_device(self.previous)
+
+        self.Stream, self.Event, self.device = Stream, Event, device
+        self._stream_lock = threading.Lock()
+
+    # -- device ---------------------------------------------------------------------------------
+    def is_available(self) -> bool:
+        return self._ext.device_count() > 0
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def _lazy_init(self) -> None:
+        return None
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def device_count(self) -> int:
+        return self._ext.device_count()
+
+    def current_device(self) -> int:
+        return self._ext.current_device()
+
+    def set_device(self, device: Any) -> None:
+        index = _index(device, -1)
+        if index >= 0:  # set_device("npu") names no index: keep the current one, as torch.cuda does
+            self._ext.set_device(index)
+
+    def synchronize(self, device: Any = None) -> None:
+        return None  # the emulator has finished every kernel when its call returns
+
+    def get_device_name(self, device: Any = None) -> str:
+        return self._device_name
+
+    def get_device_capability(self, device: Any = None) -> tuple[int, int]:
+        return (0, 0)
+
+    def get_device_properties(self, device: Any = None) -> DeviceProperties:
+        index = _index(device, self.current_device())
+        return DeviceProperties(name=self._device_name, total_memory=self._ext.memory_info(index)[1])
+
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        return tuple(self._ext.memory_info(_index(device, self.current_device())))
+
+    def is_bf16_supported(self, including_emulation: bool = True) -> bool:
+        return self._bf16
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:  # torch.autocast asks the backend module this
+        return [torch.float16, torch.bfloat16] if self._bf16 else [torch.float16]
+
+    # -- streams ----------------------------------------------------------------------------------
+    def current_stream(self, device: Any = None) -> Any:
+        return torch.accelerator.current_stream(torch.device(self.type, _index(device, self.current_device())))
+
+    def default_stream(self, device: Any = None) -> Any:
+        current = self.current_stream(device)
+        return torch.Stream(stream_id=0, device_index=current.device_index, device_type=current.device_type)
+
+    def set_stream(self, stream: Any) -> None:
+        if stream is not None:
+            torch.accelerator.set_stream(stream)
+
+    @contextlib.contextmanager
+    def stream(self, stream: Any) -> Iterator[Any]:
+        if stream is None:
+            yield None
+            return
+        previous = self.current_stream(stream.device)
+        torch.accelerator.set_stream(stream)
+        try:
+            yield stream
+        finally:
+            torch.accelerator.set_stream(previous)
+
+    # -- RNG ----------------------------------------------------------------------------------------
+    def manual_seed(self, seed: int) -> None:
+        self.default_generators[self.current_device()].manual_seed(int(seed))
+
+    def manual_seed_all(self, seed: int) -> None:
+        for generator in self.default_generators:
+            generator.manual_seed(int(seed))
+
+    def seed(self) -> None:
+        self.default_generators[self.current_device()].seed()
+
+    def seed_all(self) -> None:
+        for generator in self.default_generators:
+            generator.seed()
+
+    def initial_seed(self) -> int:
+        return self.default_generators[self.current_device()].initial_seed()
+
+    def get_rng_state(self, device: Any = None) -> torch.Tensor:
+        return self.default_generators[_index(device, self.current_device())].get_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device: Any = None) -> None:
+        self.default_generators[_index(device, self.current_device())].set_state(new_state.cpu())
+
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        return [g.get_state() for g in self.default_generators]
+
+    def set_rng_state_all(self, states: Sequence[torch.Tensor]) -> None:
+        for generator, state in zip(self.default_generators, states, strict=True):
+            generator.set_state(state.cpu())
+
+    # -- memory ---------------------------------------------------------------------------------------
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        return dict(self._ext.memory_stats(_index(device, self.current_device())))
+
+    def memory_allocated(self, device: Any = None) -> int:
+        return self.memory_stats(device)["allocated_bytes.all.current"]
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return self.memory_stats(device)["allocated_bytes.all.peak"]
+
+    def memory_reserved(self, device: Any = None) -> int:
+        return self.memory_stats(device)["reserved_bytes.all.current"]
+
+    def max_memory_reserved(self, device: Any = None) -> int:
+        return self.memory_stats(device)["reserved_bytes.all.peak"]
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        self._ext.reset_peak_stats(_index(device, self.current_device()))
+
+    def reset_accumulated_memory_stats(self, device: Any = None) -> None:
+        self._ext.reset_accumulated_stats(_index(device, self.current_device()))
+
+    def empty_cache(self) -> None:
+        return None  # the emulator caches nothing: freed blocks go straight back to the host
+
+    def set_per_process_memory_fraction(self, fraction: float, device: Any = None) -> None:
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be within [0, 1], got {fraction}")
+        self._memory_fraction[_index(device, self.current_device())] = fraction
+
+    # -- emulator introspection (not part of a vendor API) ------------------------------------------
+    def fallback_calls(self) -> int:
+        """How many ops ran on CPU kernels through the fallback so far (all of them but the structural ones)."""
+        return self._ext.fallback_calls()
+
+    def pinned_bytes(self) -> int:
+        return self._ext.pinned_bytes()

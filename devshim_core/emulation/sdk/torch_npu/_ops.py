@@ -1,0 +1,418 @@
+"""Huawei's ``torch_npu`` operators (simulated): real ``torch.library`` ops in the dispatcher namespace ``npu``.
+
+``torch.ops.npu.npu_rms_norm`` and ``torch_npu.npu_rms_norm`` are the same operator, with the vendor's schema and
+semantics (Ascend op-plugin docs and schemas: ``npu_fusion_attention``, ``npu_rms_norm``, ``npu_swiglu``,
+``npu_rotary_mul``, ``npu_apply_adam_w``). The arithmetic is ``devshim_kernels``': the differentiable ops are
+``CompositeImplicitAutograd`` kernels built from it, so autograd differentiates them as it differentiates the
+reference kernels (``npu_apply_adam_w`` follows the vendor's own formula: it takes beta powers, not a step).
+Like the vendor's, every op refuses tensors that are not on an NPU. Not Huawei's code.
+
+Where the emulation differs from the hardware (documented per op): ``npu_fusion_attention``'s softmax statistics
+are NaN placeholders, its dropout draws from torch's generator (seed/offset are 0), ``sparse_mode`` 4-8 (band,
+prefix, varlen outer-cut) with a mask are refused instead of computed, and ``inner_precise``,
+``gen_mask_parallel`` and ``sync`` (precision and scheduling knobs) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import devshim_kernels as dk
+import torch
+
+Tensor = torch.Tensor
+DEVICE = "npu"
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
+COMPRESSED_MASK_SIZE = 2048  # sparse_mode 2/3 take the 2048x2048 upper-triangle mask, whatever the sequence length
+_MAX_INT32 = 2147483647
+_SEQ_DIM = {"BSH": 1, "SBH": 0, "BSND": 1, "BNSD": 2}
+
+_LIB = torch.library.Library("npu", "FRAGMENT")  # kept referenced: dropping it unregisters the ops
+
+
+def _on_npu(op: str, **tensors: Tensor | None) -> None:
+    """Refuse host tensors (and tensors on different NPUs), as the vendor kernels do."""
+    device = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.device.type != DEVICE:
+            raise RuntimeError(f"{op}: {name} is on {t.device}, but torch_npu kernels run on NPU tensors only; "
+                               f"move it with .npu() or .to('npu')")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise RuntimeError(f"{op}: expected all tensors on one NPU, found {device} and {t.device} ({name})")
+
+
+def _float_dtype(op: str, name: str, t: Tensor) -> None:
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{op}: {name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+# -- npu_fusion_attention ------------------------------------------------------------------------------------------
+
+_LIB.define(
+    "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, Tensor? pse=None, "
+    "Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., float keep_prob=1., "
+    "int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, int[]? prefix=None, "
+    "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
+    "bool sync=False) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)")
+
+_checked_compressed: dict[tuple[Any, ...], bool] = {}
+
+
+def _check_compressed_mask(mask: Tensor, sparse_mode: int) -> None:
+    """sparse_mode 2/3 read the causal triangle from the compressed mask; the vendor computes garbage with any
+    other mask, so the emulation insists on the real one (checked once per mask version)."""
+    size = COMPRESSED_MASK_SIZE
+    if tuple(mask.shape) != (size, size):
+        raise ValueError(f"npu_fusion_attention: sparse_mode={sparse_mode} takes the compressed causal mask "
+                         f"torch.triu(torch.ones({size}, {size}, dtype=torch.bool), diagonal=1), got atten_mask of "
+                         f"shape {tuple(mask.shape)}")
+    key = (mask.data_ptr(), mask._version, str(mask.device), mask.dtype)
+    if key not in _checked_compressed:
+        upper = torch.ones(size, size, dtype=torch.bool, device=mask.device).triu_(1)
+        _checked_compressed.clear()  # one live entry is enough: callers build this mask once
+        _checked_compressed[key] = bool(torch.equal(mask.bool(), upper))
+    if not _checked_compressed[key]:
+        raise ValueError(f"npu_fusion_attention: sparse_mode={sparse_mode} takes the compressed causal mask "
+                         f"torch.triu(torch.ones({size}, {size}, dtype=torch.bool), diagonal=1); this atten_mask "
+                         "has other values")
+
+
+def _vendor_lengths(name: str, cumulative: Sequence[int] | None) -> list[int]:
+    """Per-sequence lengths from Ascend's cumulative lengths without a leading 0 ([2, 4, 6] for lengths 2, 2, 2).
+    Trailing zeros mark batches that take no part ([2, 5, 9, 0, 0])."""
+    if cumulative is None:
+        raise ValueError(f"npu_fusion_attention: input_layout TND needs {name} (cumulative lengths, e.g. [2, 4, 6])")
+    ends = [int(c) for c in cumulative]
+    while len(ends) > 1 and ends[-1] == 0:
+        ends.pop()
+    lengths, start = [], 0
+    for end in ends:
+        if end < start:
+            raise ValueError(f"npu_fusion_attention: {name} must be non-decreasing cumulative lengths, got {ends}")
+        lengths.append(end - start)
+        start = end
+    return lengths
+
+
+def _heads(t: Tensor, layout: str, head_num: int) -> tuple[int, int]:
+    """(heads, head_dim) of a tensor in ``layout``; BSH/SBH fold the heads into the hidden size."""
+    if layout in ("BSH", "SBH"):
+        return head_num, t.shape[-1] // head_num
+    return (t.shape[1] if layout in ("BNSD", "TND") else t.shape[2]), t.shape[-1]
+
+
+def _stat_shapes(query: Tensor, layout: str, head_num: int) -> tuple[int, ...]:
+    """The vendor's softmax_max/softmax_sum shape: [B, N, Sq, 8] (TND: [T, N, 8]), fp32."""
+    if layout == "TND":
+        return (query.shape[0], head_num, 8)
+    return (query.shape[1 if layout == "SBH" else 0], head_num, query.shape[_SEQ_DIM[layout]], 8)
+
+
+def _npu_fusion_attention(query: Tensor, key: Tensor, value: Tensor, head_num: int, input_layout: str,
+                          pse: Tensor | None = None, padding_mask: Tensor | None = None,
+                          atten_mask: Tensor | None = None, scale: float = 1.0, keep_prob: float = 1.0,
+                          pre_tockens: int = _MAX_INT32, next_tockens: int = _MAX_INT32, inner_precise: int = 0,
+                          prefix: Sequence[int] | None = None, actual_seq_qlen: Sequence[int] | None = None,
+                          actual_seq_kvlen: Sequence[int] | None = None, sparse_mode: int = 0,
+                          gen_mask_parallel: bool = True, sync: bool = False) -> tuple[Any, ...]:
+    """``softmax(mask(scale * (pse + q @ k^T), atten_mask)) @ v`` with dropout ``1 - keep_prob``.
+
+    ``atten_mask`` is bool/uint8 with **True (1) = masked out**, shaped BNSS, B1SS, 11SS or SS (TND: SS over the
+    longest sequences). Without ``atten_mask`` the attention is full whatever ``sparse_mode`` says (vendor
+    rule). ``sparse_mode`` 0/1: the mask as given (``pre_tockens``/``next_tockens`` must agree with it and are not
+    read); 2: left-up causal, 3: right-down causal, both with the compressed 2048x2048 mask. TND takes
+    ``actual_seq_qlen``/``actual_seq_kvlen`` cumulative without the leading 0.
+
+    Returns ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``: the output in the
+    query's layout; softmax_max/softmax_sum in the vendor's shapes ([B, N, Sq, 8], TND [T, N, 8], fp32) but filled
+    with NaN (the emulation does not compute them: use only [0]); softmax_out empty (reserved by the vendor too);
+    seed = offset = 0 (dropout draws from torch's generator and autograd keeps its mask); numels = B*N*Sq*Skv when
+    dropout is on, else 0.
+    """
+    op = "npu_fusion_attention"
+    _on_npu(op, query=query, key=key, value=value, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _float_dtype(op, name, t)
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"{op}: query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    if input_layout not in _LAYOUTS:
+        raise ValueError(f"{op}: input_layout must be one of {', '.join(_LAYOUTS)}, got {input_layout!r}")
+    if padding_mask is not None:
+        raise ValueError(f"{op}: padding_mask is not supported (the vendor reserves it); pass atten_mask")
+    if not 0.0 < keep_prob <= 1.0:
+        raise ValueError(f"{op}: keep_prob must be in (0, 1], got {keep_prob}")
+    if not 0 <= sparse_mode <= 8:
+        raise ValueError(f"{op}: sparse_mode must be 0..8, got {sparse_mode}")
+    if head_num < 1:
+        raise ValueError(f"{op}: head_num must be >= 1, got {head_num}")
+    want = 3 if input_layout in ("BSH", "SBH", "TND") else 4
+    if query.dim() != want or key.dim() != want or value.dim() != want:
+        raise ValueError(f"{op}: input_layout {input_layout} takes {want}-D query/key/value, got "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if input_layout in ("BSH", "SBH") and query.shape[-1] % head_num:
+        raise ValueError(f"{op}: hidden size {query.shape[-1]} is not a multiple of head_num {head_num}")
+    heads, _ = _heads(query, input_layout, head_num)
+    if heads != head_num:
+        raise ValueError(f"{op}: head_num={head_num} but query in layout {input_layout} has {heads} heads")
+    if atten_mask is not None and atten_mask.dtype not in (torch.bool, torch.uint8):
+        raise TypeError(f"{op}: atten_mask must be bool or uint8 (True/1 = masked out), got {atten_mask.dtype}; "
+                        "npu_fusion_attention has no additive mask")
+
+    causal, alignment, mask = False, "top_left", atten_mask
+    if atten_mask is not None:  # without a mask the vendor computes full attention whatever sparse_mode says
+        if sparse_mode in (2, 3):
+            _check_compressed_mask(atten_mask, sparse_mode)
+            causal, alignment, mask = True, ("top_left" if sparse_mode == 2 else "bottom_right"), None
+        elif sparse_mode not in (0, 1):
+            raise NotImplementedError(f"{op}: sparse_mode={sparse_mode} (band/prefix/varlen outer-cut) is not "
+                                      "emulated; use 0/1 with a full mask or 2/3 with the compressed causal mask")
+        elif atten_mask.dim() not in (2, 4):
+            raise ValueError(f"{op}: atten_mask must be BNSS, B1SS, 11SS or SS, got shape {tuple(atten_mask.shape)}")
+    dropout_p = 1.0 - keep_prob
+
+    if input_layout == "TND":
+        if pse is not None:
+            raise NotImplementedError(f"{op}: pse with input_layout TND is not emulated")
+        out, numels = _tnd(query, key, value, mask, causal, alignment, dropout_p, scale,
+                           _vendor_lengths("actual_seq_qlen", actual_seq_qlen),
+                           _vendor_lengths("actual_seq_kvlen", actual_seq_kvlen))
+    else:
+        if pse is not None:  # scale * (pse + qk) = scale*qk + scale*pse: an additive mask, masked cells at -inf
+            _float_dtype(op, "pse", pse)
+            if pse.dim() != 4:
+                raise ValueError(f"{op}: pse must be BNSS, BN1S or 1NSS, got shape {tuple(pse.shape)}")
+            bias = pse.to(query.dtype) * scale
+            mask = bias if mask is None else bias.masked_fill(mask.bool(), float("-inf"))
+        out = dk.attention(query, key, value, layout=input_layout, num_heads=head_num, attn_mask=mask,
+                           mask_true_means_masked=True, causal=causal, dropout_p=dropout_p, scale=scale,
+                           causal_alignment=alignment)
+        b, n, s_q, _ = _stat_shapes(query, input_layout, head_num)
+        numels = b * n * s_q * key.shape[_SEQ_DIM[input_layout]] if dropout_p else 0
+    stats = torch.full(_stat_shapes(query, input_layout, head_num), float("nan"), dtype=torch.float32,
+                       device=query.device)
+    return out, stats, stats.clone(), query.new_empty(0), 0, 0, numels
+
+
+def _tnd(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool, alignment: str,
+         dropout_p: float, scale: float, len_q: list[int], len_kv: list[int]) -> tuple[Tensor, int]:
+    """Packed varlen attention; a mask (SS over the longest sequences) is cut to each sequence's lengths."""
+    if len(len_q) != len(len_kv):
+        raise ValueError(f"npu_fusion_attention: actual_seq_qlen describes {len(len_q)} sequences but "
+                         f"actual_seq_kvlen {len(len_kv)}")
+    used_q, used_kv = sum(len_q), sum(len_kv)
+    if used_q > query.shape[0] or used_kv > key.shape[0]:
+        raise ValueError(f"npu_fusion_attention: actual_seq_qlen/kvlen cover {used_q}/{used_kv} tokens but query/key "
+                         f"hold {query.shape[0]}/{key.shape[0]}")
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(f"npu_fusion_attention: with input_layout TND atten_mask must be SS (maxSq x maxSkv), got "
+                         f"shape {tuple(mask.shape)}")
+    q, k, v = query[:used_q], key[:used_kv], value[:used_kv]
+    if mask is None:
+        out = dk.attention(q, k, v, layout="TND", cu_seqlens_q=_cumulative(len_q), cu_seqlens_kv=_cumulative(len_kv),
+                           causal=causal, dropout_p=dropout_p, scale=scale,
+                           causal_alignment=alignment)  # type: ignore[arg-type]
+    else:
+        outs = []
+        for qs, ks, vs, lq, lk in zip(q.split(len_q), k.split(len_kv), v.split(len_kv), len_q, len_kv, strict=True):
+            if lq and lk:
+                outs.append(dk.attention(qs[None], ks[None], vs[None], layout="BSND", attn_mask=mask[:lq, :lk],
+                                         mask_true_means_masked=True, dropout_p=dropout_p, scale=scale)[0])
+            else:
+                outs.append(qs.new_zeros(lq, qs.shape[1], v.shape[-1]))
+        out = torch.cat(outs)
+    if used_q < query.shape[0]:  # tokens past the last counted sequence take no part: zeros
+        out = torch.cat((out, out.new_zeros(query.shape[0] - used_q, *out.shape[1:])))
+    numels = sum(a * b for a, b in zip(len_q, len_kv, strict=True)) * query.shape[1] if dropout_p else 0
+    return out, numels
+
+
+def _cumulative(lengths: list[int]) -> list[int]:
+    total, ends = 0, [0]
+    for n in lengths:
+        total += n
+        ends.append(total)
+    return ends
+
+
+_LIB.impl("npu_fusion_attention", _npu_fusion_attention, "CompositeImplicitAutograd")
+
+
+# -- npu_rms_norm --------------------------------------------------------------------------------------------------
+
+_LIB.define("npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)")
+
+
+def _npu_rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """``x * rsqrt(mean(x**2) + eps) * gamma`` over the trailing ``gamma.dim()`` dimensions.
+
+    Returns ``(y, rstd)``: ``y`` in ``x``'s dtype, ``rstd`` fp32 of shape ``x.shape[:-k] + (1,)*k``."""
+    op = "npu_rms_norm"
+    _on_npu(op, self=x, gamma=gamma)
+    _float_dtype(op, "self", x)
+    _float_dtype(op, "gamma", gamma)
+    if gamma.dtype != x.dtype and gamma.dtype != torch.float32:
+        raise TypeError(f"{op}: gamma must have self's dtype ({x.dtype}) or float32, got {gamma.dtype}")
+    if not 1 <= x.dim() <= 8:
+        raise ValueError(f"{op}: self must have 1 to 8 dimensions, got {x.dim()}")
+    k = gamma.dim()
+    if k < 1 or k > x.dim() or tuple(gamma.shape) != tuple(x.shape[-k:]):
+        raise ValueError(f"{op}: gamma of shape {tuple(gamma.shape)} must match the trailing dimensions of self "
+                         f"{tuple(x.shape)}")
+    rows = x.flatten(-k) if k > 1 else x
+    y = dk.rms_norm(rows, gamma.flatten() if k > 1 else gamma, epsilon).to(x.dtype).view(x.shape)
+    with torch.no_grad():  # the statistic the vendor saves for its backward; not differentiable
+        xf = rows.detach().float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + epsilon)
+    return y, rstd.view(*x.shape[:-k], *([1] * k))
+
+
+_LIB.impl("npu_rms_norm", _npu_rms_norm, "CompositeImplicitAutograd")
+
+
+# -- npu_swiglu ----------------------------------------------------------------------------------------------------
+
+_LIB.define("npu_swiglu(Tensor self, int dim=-1) -> Tensor")
+
+
+def _npu_swiglu(x: Tensor, dim: int = -1) -> Tensor:
+    """``silu(a) * b`` for ``a, b = x.chunk(2, dim)`` (``a`` the first half). The vendor takes 1-8 dimensions,
+    fp32/fp16/bf16, contiguous, non-empty input with an even split dimension; the output is contiguous."""
+    op = "npu_swiglu"
+    _on_npu(op, self=x)
+    _float_dtype(op, "self", x)
+    if not 1 <= x.dim() <= 8:
+        raise ValueError(f"{op}: self must have 1 to 8 dimensions, got {x.dim()}")
+    if not -x.dim() <= dim < x.dim():
+        raise IndexError(f"{op}: dim {dim} is out of range [{-x.dim()}, {x.dim() - 1}]")
+    if not x.is_contiguous():
+        raise RuntimeError(f"{op}: self must be contiguous (the vendor kernel does not take strided input); "
+                           "call .contiguous() first")
+    if x.numel() == 0:
+        raise RuntimeError(f"{op}: self is empty, which the vendor kernel does not take")
+    dim %= x.dim()
+    if x.shape[dim] % 2:
+        raise RuntimeError(f"{op}: dimension {dim} of self has odd size {x.shape[dim]}; it must split in two halves")
+    if dim == x.dim() - 1:
+        return dk.swiglu(x)
+    return dk.swiglu(x.movedim(dim, -1)).movedim(-1, dim).contiguous()
+
+
+_LIB.impl("npu_swiglu", _npu_swiglu, "CompositeImplicitAutograd")
+
+
+# -- npu_rotary_mul ------------------------------------------------------------------------------------------------
+
+_LIB.define("npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor")
+
+
+def _npu_rotary_mul(x: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "half") -> Tensor:
+    """``r1 * x + r2 * rotate(x)`` over the whole last dimension: ``half``: rotate = cat(-x2, x1);
+    ``interleave``: each pair (x0, x1) -> (-x1, x0). 4-D ``x`` (BNSD/BSND/SBND), ``r1``/``r2`` 4-D and
+    broadcastable to it (11SD, 1S1D, S11D, ...). Differentiable in ``x``, ``r1`` and ``r2``."""
+    op = "npu_rotary_mul"
+    _on_npu(op, self=x, r1=r1, r2=r2)
+    for name, t in (("self", x), ("r1", r1), ("r2", r2)):
+        _float_dtype(op, name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be 4-D, got shape {tuple(t.shape)}")
+    if rotary_mode not in ("half", "interleave"):
+        raise ValueError(f"{op}: rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}")
+    if r1.shape != r2.shape or r1.shape[-1] != x.shape[-1] or x.shape[-1] % 2:
+        raise ValueError(f"{op}: r1 {tuple(r1.shape)} and r2 {tuple(r2.shape)} must share a shape whose last "
+                         f"dimension is self's (even) head size {x.shape[-1]}")
+    return dk.rotary(x, r1, r2, interleaved=rotary_mode == "interleave")
+
+
+_LIB.impl("npu_rotary_mul", _npu_rotary_mul, "CompositeImplicitAutograd")
+
+
+# -- npu_apply_adam_w ----------------------------------------------------------------------------------------------
+
+_ADAM_W_ARGS = ("Scalar beta1_power, Scalar beta2_power, Scalar lr, Scalar weight_decay, Scalar beta1, Scalar beta2, "
+                "Scalar epsilon, Tensor grad, Tensor? max_grad_norm, bool? amsgrad, bool? maximize")
+_LIB.define(f"npu_apply_adam_w({_ADAM_W_ARGS}) -> (Tensor, Tensor, Tensor)")
+_LIB.define(f"npu_apply_adam_w.out({_ADAM_W_ARGS}, *, Tensor(a!) var, Tensor(b!) m, Tensor(c!) v) "
+            "-> (Tensor(a!), Tensor(b!), Tensor(c!))")
+
+
+def _adam_w_functional(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
+    raise RuntimeError("npu_apply_adam_w is not implemented for Tensor: pass out=(var, m, v), which it updates "
+                       "in place")
+
+
+@torch.no_grad()
+def _adam_w_out(beta1_power: float, beta2_power: float, lr: float, weight_decay: float, beta1: float, beta2: float,
+                epsilon: float, grad: Tensor, max_grad_norm: Tensor | None, amsgrad: bool | None,
+                maximize: bool | None, *, var: Tensor, m: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One AdamW step in place, in the vendor's arithmetic (op-plugin docs and its CPU reference):
+
+    ``g = -grad if maximize``; ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g*g``;
+    ``denom = sqrt(v' / (1 - beta2_power*b2)) + eps`` with ``v' = max(max_grad_norm, v)`` under amsgrad;
+    ``var = var*(1 - lr*wd) - lr * m / (1 - beta1_power*b1) / denom``.
+
+    The kernel multiplies the powers by beta once more, so step t passes ``beta1**(t-1)``/``beta2**(t-1)``
+    (1.0 at the first step). ``max_grad_norm`` is read, not written (its schema is not mutable): amsgrad callers
+    keep the running maximum themselves. Computed in fp32 and written back in the tensors' dtype.
+    """
+    op = "npu_apply_adam_w"
+    _on_npu(op, grad=grad, max_grad_norm=max_grad_norm, var=var, m=m, v=v)
+    for name, t in (("grad", grad), ("var", var), ("m", m), ("v", v)):
+        _float_dtype(op, name, t)
+        if t.shape != var.shape:
+            raise ValueError(f"{op}: var, m, v and grad must share a shape, got {name} {tuple(t.shape)} and var "
+                             f"{tuple(var.shape)}")
+    if amsgrad and max_grad_norm is None:
+        raise RuntimeError(f"{op}: if amsgrad is true, max_grad_norm input must be entered")
+    if max_grad_norm is not None and amsgrad and max_grad_norm.shape != var.shape:
+        raise ValueError(f"{op}: max_grad_norm must have var's shape {tuple(var.shape)}")
+    g = grad.float()
+    if maximize:
+        g = -g
+    mf, vf, pf = m.float(), v.float(), var.float()
+    mf.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    vf.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    pf.mul_(1.0 - lr * weight_decay)
+    bc1, bc2 = 1.0 - beta1_power * beta1, 1.0 - beta2_power * beta2
+    second = torch.maximum(max_grad_norm.float(), vf) if amsgrad else vf
+    denom = (second / bc2).sqrt_().add_(epsilon)
+    pf.addcdiv_(mf, denom, value=-lr / bc1)
+    for target, value in ((m, mf), (v, vf), (var, pf)):
+        if target is not value:
+            target.copy_(value)
+    return var, m, v
+
+
+_LIB.impl("npu_apply_adam_w", _adam_w_functional, "CompositeExplicitAutograd")
+_LIB.impl("npu_apply_adam_w.out", _adam_w_out, "CompositeExplicitAutograd")
+
+
+# -- the torch_npu.* spellings -------------------------------------------------------------------------------------
+
+npu_fusion_attention = torch.ops.npu.npu_fusion_attention
+npu_rms_norm = torch.ops.npu.npu_rms_norm
+npu_swiglu = torch.ops.npu.npu_swiglu
+npu_rotary_mul = torch.ops.npu.npu_rotary_mul
+
+
+def npu_apply_adam_w(beta1_power: float, beta2_power: float, lr: float, weight_decay: float, beta1: float,
+                     beta2: float, epsilon: float, grad: Tensor, max_grad_norm: Tensor | None = None,
+                     amsgrad: bool | None = None, maximize: bool | None = None, *,
+                     out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch_npu.npu_apply_adam_w(..., out=(var, m, v))``: see ``torch.ops.npu.npu_apply_adam_w.out``."""
+    args = (beta1_power, beta2_power, lr, weight_decay, beta1, beta2, epsilon, grad, max_grad_norm, amsgrad, maximize)
+    if out is None:
+        return torch.ops.npu.npu_apply_adam_w.default(*args)
+    if len(out) != 3:
+        raise RuntimeError(f"npu_apply_adam_w: expected tuple of 3 elements but got {len(out)}")
+    var, m, v = out
+    return torch.ops.npu.npu_apply_adam_w.out(*args, var=var, m=m, v=v)
+
+
+__all__ = ["COMPRESSED_MASK_SIZE", "npu_apply_adam_w", "npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul",
+           "npu_swiglu"]

@@ -1,0 +1,174 @@
+"""The Ascend plugin's kernels: devshim's PyTorch conventions (``devshim_core.records``) on torch_npu's ops.
+
+Imported only once the plugin is selected, so ``torch_npu`` is importable. Each op converts devshim's conventions
+to the vendor's (mask polarity, explicit scale, causal sparse modes, cumulative lengths without the leading 0)
+and answers with ``devshim_kernels`` what the vendor op cannot take (additive masks, other dtypes, shapes outside
+the kernel's constraints), so callers never see a vendor limitation.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import devshim_kernels as dk
+import torch
+import torch_npu
+
+from devshim_core import AttentionKernels, OptimizerKernels
+
+Tensor = torch.Tensor
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_COMPRESSED = 2048  # npu_fusion_attention's causal modes take this triu mask whatever the sequence length
+_SEQ_DIM = {"BNSD": 2, "BSND": 1, "BSH": 1, "SBH": 0}
+
+
+@functools.lru_cache(maxsize=16)
+def _compressed_causal_mask(device: torch.device) -> Tensor:
+    """The mask sparse_mode 2/3 require (built once per device, as MindSpeed does)."""
+    return torch.ones(_COMPRESSED, _COMPRESSED, dtype=torch.bool, device=device).triu_(1)
+
+
+def _vendor_lengths(cu_seqlens: Tensor | Sequence[int]) -> list[int]:
+    """Cumulative lengths in Ascend's spelling: no leading 0 ([0, 2, 5] and [2, 5] both give [2, 5])."""
+    ends = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
+    return ends[1:] if len(ends) > 1 and ends[0] == 0 else ends
+
+
+def _vendor_mask(mask: Tensor, b: int, n: int, s_q: int, s_kv: int) -> Tensor:
+    """A mask broadcastable to [B, N, Sq, Skv] in a shape the vendor takes (SS, 11SS, B1SS, BNSS)."""
+    if mask.dim() == 2 and tuple(mask.shape) == (s_q, s_kv):
+        return mask
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    lead_b, lead_n = m.shape[0], m.shape[1]
+    if lead_n != 1 and lead_b == 1:
+        lead_b = b  # 1NSS is not among the vendor's shapes
+    shape = (lead_b, lead_n, s_q, s_kv)
+    return m if tuple(m.shape) == shape else m.expand(shape).contiguous()
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, layout: str, num_heads: int | None = None,
+              attn_mask: Tensor | None = None, mask_true_means_masked: bool = False, causal: bool = False,
+              dropout_p: float = 0.0, scale: float | None = None, cu_seqlens_q: Any = None,
+              cu_seqlens_kv: Any = None, causal_alignment: str = "top_left") -> Tensor:
+    """devshim's ``attention`` on ``npu_fusion_attention``; float (additive) masks, dtypes other than
+    fp32/fp16/bf16 and masked TND run ``devshim_kernels.attention`` (the vendor has no additive mask)."""
+    reference = functools.partial(
+        dk.attention, q, k, v, layout=layout, num_heads=num_heads, attn_mask=attn_mask,
+        mask_true_means_masked=mask_true_means_masked, causal=causal, dropout_p=dropout_p, scale=scale,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, causal_alignment=causal_alignment)
+    if (layout not in dk.LAYOUTS or q.dtype not in _FLOATS or not q.dtype == k.dtype == v.dtype
+            or (attn_mask is not None and (attn_mask.is_floating_point() or layout == "TND" or attn_mask.dim() > 4))
+            or causal_alignment not in ("top_left", "bottom_right") or not 0.0 <= dropout_p < 1.0):
+        return reference()  # devshim's own conventions (and its errors) for everything the vendor op cannot take
+    if layout in ("BSH", "SBH"):
+        if num_heads is None:
+            raise ValueError(f"layout {layout} needs num_heads")
+        head_num, head_dim = num_heads, q.shape[-1] // num_heads
+    else:
+        head_num = q.shape[1] if layout in ("BNSD", "TND") else q.shape[2]
+        head_dim = q.shape[-1]
+        if num_heads is not None and num_heads != head_num:
+            raise ValueError(f"num_heads={num_heads} but q in layout {layout} has {head_num} heads")
+    kwargs: dict[str, Any] = {"scale": 1.0 / math.sqrt(head_dim) if scale is None else scale,
+                              "keep_prob": 1.0 - dropout_p}
+    if layout == "TND":
+        if cu_seqlens_q is None:
+            raise ValueError("layout TND needs cu_seqlens_q")
+        kwargs["actual_seq_qlen"] = _vendor_lengths(cu_seqlens_q)
+        kwargs["actual_seq_kvlen"] = _vendor_lengths(cu_seqlens_q if cu_seqlens_kv is None else cu_seqlens_kv)
+    mask = None
+    if attn_mask is not None:  # boolean/integer: the vendor's True means masked out
+        mask = attn_mask.bool() if mask_true_means_masked else ~attn_mask.bool()
+        s_q, s_kv = q.shape[_SEQ_DIM[layout]], k.shape[_SEQ_DIM[layout]]
+        batch = q.shape[1] if layout == "SBH" else q.shape[0]
+        mask = _vendor_mask(mask, batch, head_num, s_q, s_kv)
+        if causal:  # the causal modes read only the compressed mask: fold the triangle into the user's mask
+            shift = s_kv - s_q if causal_alignment == "bottom_right" else 0
+            mask = mask | torch.ones(s_q, s_kv, dtype=torch.bool, device=q.device).triu_(shift + 1)
+    elif causal:
+        mask = _compressed_causal_mask(q.device)
+        kwargs["sparse_mode"] = 2 if causal_alignment == "top_left" else 3
+    return torch_npu.npu_fusion_attention(q, k, v, head_num, layout, atten_mask=mask, **kwargs)[0]
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float = 1e-6) -> Tensor:
+    """``npu_rms_norm(x, weight, eps)[0]`` (``weight=None``: ones); devshim's kernel where the vendor's dtypes or
+    result dtype differ from devshim's convention (``x``'s dtype promoted with ``weight``'s)."""
+    if weight is None:
+        if x.dtype not in _FLOATS:
+            return dk.rms_norm(x, None, eps)
+        weight = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    if x.dtype not in _FLOATS or weight.dtype != x.dtype or weight.shape != x.shape[-1:] or x.dim() > 8:
+        return dk.rms_norm(x, weight, eps)
+    return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+
+
+def swiglu(x: Tensor) -> Tensor:
+    """``npu_swiglu(x, dim=-1)`` on a contiguous copy if needed (the vendor takes only contiguous input)."""
+    if x.dtype not in _FLOATS or not 1 <= x.dim() <= 8 or x.numel() == 0 or x.shape[-1] % 2:
+        return dk.swiglu(x)
+    return torch_npu.npu_swiglu(x.contiguous(), dim=-1)
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False) -> Tensor:
+    """``npu_rotary_mul`` (``half``/``interleave``) on 4-D input; partial rotary rotates the first
+    ``cos.shape[-1]`` channels with the vendor op and passes the rest through."""
+    rot = cos.shape[-1]
+    if (x.dim() != 4 or x.dtype not in _FLOATS or cos.dim() > 4 or sin.shape != cos.shape or rot % 2
+            or rot > x.shape[-1] or torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1]) != x.shape[:-1]):
+        return dk.rotary(x, cos, sin, interleaved=interleaved)
+    lead = (1,) * (4 - cos.dim())
+    r1, r2 = cos.to(x.dtype).reshape(lead + tuple(cos.shape)), sin.to(x.dtype).reshape(lead + tuple(sin.shape))
+    mode = "interleave" if interleaved else "half"
+    if rot == x.shape[-1]:
+        return torch_npu.npu_rotary_mul(x, r1, r2, rotary_mode=mode)
+    turned = torch_npu.npu_rotary_mul(x[..., :rot].contiguous(), r1, r2, rotary_mode=mode)
+    return torch.cat((turned, x[..., rot:]), dim=-1)
+
+
+def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                exp_avg_sqs: Sequence[Tensor], *, step: int, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, adamw_mode: bool = True, bias_correction: bool = True,
+                max_exp_avg_sqs: Sequence[Tensor] | None = None,
+                param_copies: Sequence[Tensor | None] | None = None) -> None:
+    """Adam(W) step: ``npu_apply_adam_w`` per tensor for AdamW with bias correction; L2 Adam, no bias correction,
+    amsgrad (not in every CANN build's kernel) and mixed dtypes run ``devshim_kernels.fused_adamw`` on the
+    device."""
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the number of this update), got {step}")
+    vendor = adamw_mode and bias_correction and max_exp_avg_sqs is None
+    rest: list[int] = []
+    with torch.no_grad():
+        for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
+            if not (vendor and p.dtype in _FLOATS and g.dtype == m.dtype == v.dtype == p.dtype
+                    and g.shape == m.shape == v.shape == p.shape):
+                rest.append(i)
+                continue
+            # the kernel multiplies the powers by beta once more: step t passes beta**(t-1)
+            torch_npu.npu_apply_adam_w(beta1 ** (step - 1), beta2 ** (step - 1), lr, weight_decay, beta1, beta2, eps,
+                                       g, None, False, False, out=(p, m, v))
+            if param_copies is not None and param_copies[i] is not None:
+                param_copies[i].copy_(p)
+    if rest:
+        dk.fused_adamw([params[i] for i in rest], [grads[i] for i in rest], [exp_avgs[i] for i in rest],
+                       [exp_avg_sqs[i] for i in rest], step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bias_correction,
+                       max_exp_avg_sqs=None if max_exp_avg_sqs is None else [max_exp_avg_sqs[i] for i in rest],
+                       param_copies=None if param_copies is None else [param_copies[i] for i in rest])
+
+
+def attention_kernels() -> AttentionKernels:
+    return AttentionKernels(
+        attention=attention, rms_norm=rms_norm, swiglu=swiglu, rotary=rotary,
+        source="torch_npu: npu_fusion_attention, npu_rms_norm, npu_swiglu, npu_rotary_mul; devshim_kernels for "
+               "additive masks, masked TND and dtypes/shapes the vendor ops do not take")
+
+
+def optimizer_kernels() -> OptimizerKernels:
+    return OptimizerKernels(
+        fused_adamw=fused_adamw, host_adam_step=dk.host_adam_step, host_adam_rollback=dk.host_adam_rollback,
+        source="fused_adamw: torch_npu.npu_apply_adam_w (devshim_kernels.fused_adamw for Adam/L2, no bias "
+               "correction, amsgrad, mixed dtypes); host Adam: devshim_kernels.host_adam_step/rollback")

@@ -1,0 +1,599 @@
+"""Kernel conformance on the emulated vendor device: the plugins' kernels and the simulated vendor ops against
+``devshim_kernels`` computed on CPU (forward and backward), plus the vendor ops' documented semantics.
+
+Run once per vendor, each in a process of its own: ``DEVSHIM_EMULATE=ascend pytest tests/emulated`` and
+``DEVSHIM_EMULATE=sophgo ...``. Tests of one vendor's raw API carry ``only(vendor)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import devshim_kernels as dk
+import pytest
+import torch
+
+from emulated.conftest import DEVICE_TYPE, VENDOR, only
+
+Tensor = torch.Tensor
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 4e-2, "rtol": 4e-2}}
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+PLUGIN = {"ascend": "devshim_ascend.kernels", "sophgo": "devshim_sophgo.kernels"}
+
+
+@pytest.fixture(scope="module")
+def plugin() -> Any:
+    return importlib.import_module(PLUGIN[VENDOR])
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(1234)
+
+
+def close(actual: Tensor, expected: Tensor, dtype: torch.dtype = torch.float32) -> None:
+    assert actual.device.type == DEVICE_TYPE, f"result on {actual.device}, not the {DEVICE_TYPE} device"
+    torch.testing.assert_close(actual.detach().cpu().float(), expected.detach().float(), **TOL[dtype])
+
+
+def conform(device_fn: Callable[..., Tensor], reference_fn: Callable[..., Tensor], inputs: dict[str, Any],
+            grads: tuple[str, ...], dtype: torch.dtype) -> Tensor:
+    """Run ``device_fn`` on device copies and ``reference_fn`` on the CPU tensors; compare outputs and the
+    gradients of ``grads``. Returns the device output."""
+    def copies(device: str) -> dict[str, Any]:
+        return {k: v.detach().to(device).requires_grad_(k in grads) if isinstance(v, Tensor) else v
+                for k, v in inputs.items()}
+
+    cpu, dev = copies("cpu"), copies(DEVICE_TYPE)
+    expected, actual = reference_fn(**cpu), device_fn(**dev)
+    close(actual, expected, dtype)
+    if grads:
+        g = torch.randn(expected.shape, dtype=expected.dtype)
+        expected.backward(g)
+        actual.backward(g.to(DEVICE_TYPE))
+        for name in grads:
+            assert dev[name].grad is not None, f"no gradient reached {name}"
+            close(dev[name].grad, cpu[name].grad, dtype)
+    return actual
+
+
+# -- plugin kernels: attention -------------------------------------------------------------------------------------
+
+B, HQ, D = 2, 4, 8
+DENSE = ["BNSD", "BSND", "BSH", "SBH"]
+CASES = ["none", "keep_mask", "masked_mask", "padding_mask", "causal_top_left", "causal_bottom_right", "gqa_causal",
+         "causal_and_mask", "additive_mask"]
+
+
+def _layout(bnsd: Tensor, layout: str) -> Tensor:
+    return dk.from_bnsd(bnsd, layout).contiguous()
+
+
+def _dense_case(case: str, layout: str, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
+    s_q, s_kv = (6, 10) if case in ("keep_mask", "masked_mask", "causal_bottom_right", "causal_and_mask") else (6, 6)
+    hkv = 2 if case == "gqa_causal" else HQ
+    q, k, v = (torch.randn(B, h, s, D, dtype=dtype) for h, s in ((HQ, s_q), (hkv, s_kv), (hkv, s_kv)))
+    inputs: dict[str, Any] = {"q": _layout(q, layout), "k": _layout(k, layout), "v": _layout(v, layout)}
+    options: dict[str, Any] = {"layout": layout, "num_heads": HQ if layout in ("BSH", "SBH") else None}
+    keep = torch.rand(B, 1, s_q, s_kv) > 0.4
+    keep[..., 0] = True  # no fully masked row
+    if case == "keep_mask":
+        inputs["attn_mask"] = keep
+    elif case == "masked_mask":  # Ascend's polarity, 2-D
+        inputs["attn_mask"] = ~keep[0, 0]
+        options["mask_true_means_masked"] = True
+    elif case == "padding_mask":  # [B, 1, 1, Skv] key padding: broadcast over queries
+        inputs["attn_mask"] = keep[:, :, :1, :]
+    elif case == "causal_and_mask":
+        inputs["attn_mask"] = keep
+        options.update(causal=True, causal_alignment="bottom_right")
+    elif case == "additive_mask":
+        inputs["attn_mask"] = torch.randn(1, 1, s_q, s_kv, dtype=dtype)
+    if case in ("causal_top_left", "gqa_causal"):
+        options["causal"] = True
+    elif case == "causal_bottom_right":
+        options.update(causal=True, causal_alignment="bottom_right")
+    if case == "none":
+        options["scale"] = 0.37
+    return inputs, options
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("layout", DENSE)
+def test_attention_dense(plugin: Any, layout: str, case: str, dtype: torch.dtype) -> None:
+    attention = plugin.attention_kernels().attention
+    inputs, options = _dense_case(case, layout, dtype)
+    out = conform(lambda **t: attention(**t, **options), lambda **t: dk.attention(**t, **options), inputs,
+                  ("q", "k", "v"), dtype)
+    assert out.shape == inputs["q"].shape[:-1] + out.shape[-1:] and out.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["none", "causal_top_left", "causal_bottom_right", "gqa_causal"])
+def test_attention_packed_tnd(plugin: Any, case: str, dtype: torch.dtype) -> None:
+    attention = plugin.attention_kernels().attention
+    len_q, len_kv = [3, 5], ([5, 7] if case == "causal_bottom_right" else [3, 5])
+    hkv = 2 if case == "gqa_causal" else HQ
+    inputs: dict[str, Any] = {"q": torch.randn(sum(len_q), HQ, D, dtype=dtype),
+                              "k": torch.randn(sum(len_kv), hkv, D, dtype=dtype),
+                              "v": torch.randn(sum(len_kv), hkv, D, dtype=dtype),
+                              # flash-attn style (leading 0, int32 tensor, moved to the device) for q ...
+                              "cu_seqlens_q": torch.tensor([0, 3, 8], dtype=torch.int32)}
+    options: dict[str, Any] = {"layout": "TND", "causal": case != "none",
+                               "causal_alignment": "bottom_right" if case == "causal_bottom_right" else "top_left",
+                               # ... and Ascend style (no leading 0, a list) for k/v
+                               "cu_seqlens_kv": [len_kv[0], sum(len_kv)]}
+    conform(lambda **t: attention(**t, **options), lambda **t: dk.attention(**t, **options), inputs,
+            ("q", "k", "v"), dtype)
+
+
+def test_attention_dropout_is_drop_probability(plugin: Any) -> None:
+    """``dropout_p`` is the drop probability (Ascend's ``keep_prob`` is 1 - p): with v = identity each output cell
+    is one key's probability, so the share of zeros is the share of dropped probabilities."""
+    attention = plugin.attention_kernels().attention
+    q, k = (torch.randn(2, 2, 64, 16, device=DEVICE_TYPE, requires_grad=True) for _ in range(2))
+    v = torch.eye(16, device=DEVICE_TYPE).expand(2, 2, 16, 16).contiguous().requires_grad_()
+    k_short = k[:, :, :16]
+    out = attention(q, k_short, v, layout="BNSD", dropout_p=0.8)
+    assert out.device.type == DEVICE_TYPE and bool(torch.isfinite(out).all())
+    zeros = (out == 0).float().mean().item()
+    assert 0.7 < zeros < 0.9, f"{zeros:.0%} of the probabilities were dropped with dropout_p=0.8"
+    out.sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+# -- plugin kernels: rms_norm, swiglu, rotary ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "no_weight"])
+def test_rms_norm(plugin: Any, with_weight: bool, dtype: torch.dtype) -> None:
+    rms_norm = plugin.attention_kernels().rms_norm
+    inputs: dict[str, Any] = {"x": torch.randn(3, 5, 64, dtype=dtype),
+                              "weight": torch.randn(64, dtype=dtype) if with_weight else None}
+    grads = ("x", "weight") if with_weight else ("x",)
+    conform(lambda **t: rms_norm(**t, eps=1e-5), lambda **t: dk.rms_norm(**t, eps=1e-5), inputs, grads, dtype)
+
+
+def test_rms_norm_fp32_weight_on_bf16_input(plugin: Any) -> None:
+    """devshim's convention promotes the result to the weight's dtype, which the vendor op does not: the plugin
+    must still return devshim's answer."""
+    rms_norm = plugin.attention_kernels().rms_norm
+    inputs = {"x": torch.randn(4, 32, dtype=torch.bfloat16), "weight": torch.randn(32)}
+    out = conform(rms_norm, dk.rms_norm, inputs, ("x", "weight"), torch.bfloat16)
+    assert out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed"])
+def test_swiglu(plugin: Any, strided: bool, dtype: torch.dtype) -> None:
+    swiglu = plugin.attention_kernels().swiglu
+    if strided:  # a non-contiguous view: the vendor op takes only contiguous input, the plugin must cope
+        conform(lambda x: swiglu(x.transpose(0, 2)), lambda x: dk.swiglu(x.transpose(0, 2)),
+                {"x": torch.randn(16, 3, 4, dtype=dtype)}, ("x",), dtype)
+    else:
+        conform(swiglu, dk.swiglu, {"x": torch.randn(4, 3, 16, dtype=dtype)}, ("x",), dtype)
+
+
+# cos/sin as Megatron (SBND: [S, 1, 1, D]), the vendors' BSND ([1, S, 1, D]) and 2-D [S, D] for BNSD
+ROTARY_LAYOUTS = {"SBND": ((6, B, HQ, D), (6, 1, 1)), "BSND": ((B, 6, HQ, D), (1, 6, 1)), "BNSD": ((B, HQ, 6, D), (6,))}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("layout", list(ROTARY_LAYOUTS))
+def test_rotary(plugin: Any, layout: str, interleaved: bool, partial: bool, dtype: torch.dtype) -> None:
+    rotary = plugin.attention_kernels().rotary
+    shape, lead = ROTARY_LAYOUTS[layout]
+    rot = D // 2 if partial else D
+    angles = torch.rand(*lead, rot)
+    inputs = {"x": torch.randn(*shape, dtype=dtype), "cos": angles.cos(), "sin": angles.sin()}
+    conform(lambda **t: rotary(**t, interleaved=interleaved), lambda **t: dk.rotary(**t, interleaved=interleaved),
+            inputs, ("x",), dtype)
+
+
+# -- plugin kernels: optimizer -------------------------------------------------------------------------------------
+
+SHAPES = [(7, 5), (33,), (4, 3, 2)]
+
+
+def _run_fused(fused: Callable[..., None], steps: int, device: str, *, dtype: torch.dtype = torch.float32,
+               grad_dtype: torch.dtype | None = None, amsgrad: bool = False, copies: bool = False,
+               **hyper: Any) -> tuple[list[Tensor], ...]:
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.randn(s, generator=gen).to(dtype).to(device) for s in SHAPES]
+    avgs = [torch.zeros_like(p) for p in params]
+    sqs = [torch.zeros_like(p) for p in params]
+    maxima = [torch.zeros_like(p) for p in params] if amsgrad else None
+    param_copies = [torch.empty(p.shape, dtype=torch.bfloat16, device=device) for p in params] if copies else None
+    for step in range(1, steps + 1):
+        grads = [torch.randn(s, generator=gen).to(grad_dtype or dtype).to(device) for s in SHAPES]
+        fused(params, grads, avgs, sqs, step=step, max_exp_avg_sqs=maxima, param_copies=param_copies, **hyper)
+    return params, avgs, sqs, param_copies or []
+
+
+HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1}
+
+
+@pytest.mark.parametrize("variant", ["adamw", "adam_l2", "no_bias_correction", "amsgrad", "bf16_copies",
+                                     "bf16_grads", "bf16_params"])
+def test_fused_adamw_matches_reference(plugin: Any, variant: str) -> None:
+    """Five steps on the device against devshim_kernels.fused_adamw on CPU (itself tested against torch.optim):
+    bias correction and weight decay accumulate over steps, which is where DeepSpeed's NPU FusedAdam went wrong."""
+    fused = plugin.optimizer_kernels().fused_adamw
+    kwargs: dict[str, Any] = {"adamw_mode": variant != "adam_l2", "bias_correction": variant != "no_bias_correction",
+                              "amsgrad": variant == "amsgrad", "copies": variant == "bf16_copies", **HYPER}
+    if variant == "bf16_grads":
+        kwargs["grad_dtype"] = torch.bfloat16
+    if variant == "bf16_params":
+        kwargs["dtype"] = torch.bfloat16
+    tol = TOL[torch.bfloat16] if variant == "bf16_params" else {"atol": 1e-6, "rtol": 1e-5}
+    actual = _run_fused(fused, 5, DEVICE_TYPE, **kwargs)
+    expected = _run_fused(dk.fused_adamw, 5, "cpu", **kwargs)
+    for got, want in zip(actual, expected, strict=True):
+        for a, e in zip(got, want, strict=True):
+            assert a.device.type == DEVICE_TYPE
+            torch.testing.assert_close(a.cpu().float(), e.float(), **tol)
+
+
+def test_fused_adamw_matches_torch_adamw(plugin: Any) -> None:
+    fused = plugin.optimizer_kernels().fused_adamw
+    param = torch.nn.Parameter(torch.randn(10, 3))
+    reference = torch.optim.AdamW([param], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    p, m, v = param.detach().to(DEVICE_TYPE), torch.zeros(10, 3, device=DEVICE_TYPE), torch.zeros(10, 3,
+                                                                                                   device=DEVICE_TYPE)
+    for step in range(1, 7):
+        grad = torch.randn(10, 3)
+        param.grad = grad
+        reference.step()
+        fused([p], [grad.to(DEVICE_TYPE)], [m], [v], step=step, adamw_mode=True, bias_correction=True, **HYPER)
+        torch.testing.assert_close(p.cpu(), param.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_records(plugin: Any) -> None:
+    attention, optimizer = plugin.attention_kernels(), plugin.optimizer_kernels()
+    assert optimizer.host_adam_step is dk.host_adam_step and optimizer.host_adam_rollback is dk.host_adam_rollback
+    vendor_op = {"ascend": "npu_fusion_attention", "sophgo": "rmsnorm_forward"}[VENDOR]
+    assert vendor_op in attention.source and "devshim_kernels" in attention.source
+    assert {"ascend": "npu_apply_adam_w", "sophgo": "_fused_adamw_"}[VENDOR] in optimizer.source
+
+
+# -- Ascend: torch_npu's ops, their documented semantics -----------------------------------------------------------
+
+def _npu() -> Any:
+    return importlib.import_module("torch_npu")
+
+
+def _qkv(s_q: int = 6, s_kv: int = 6, hkv: int = HQ, dtype: torch.dtype = torch.float32) -> tuple[Tensor, ...]:
+    return (torch.randn(B, HQ, s_q, D, dtype=dtype), torch.randn(B, hkv, s_kv, D, dtype=dtype),
+            torch.randn(B, hkv, s_kv, D, dtype=dtype))
+
+
+def _to_dev(*tensors: Tensor) -> list[Tensor]:
+    return [t.to(DEVICE_TYPE) for t in tensors]
+
+
+@only("ascend")
+def test_npu_ops_are_dispatcher_ops() -> None:
+    npu = _npu()
+    for name in ("npu_fusion_attention", "npu_rms_norm", "npu_swiglu", "npu_rotary_mul"):
+        assert getattr(npu, name) is getattr(torch.ops.npu, name)
+    assert isinstance(torch.ops.npu.npu_apply_adam_w.out, torch._ops.OpOverload)
+
+
+@only("ascend")
+def test_npu_fusion_attention_mask_polarity_default_scale_and_tuple() -> None:
+    npu = _npu()
+    q, k, v = _qkv(6, 10)
+    masked = torch.rand(6, 10) > 0.6
+    masked[:, 0] = False
+    result = npu.npu_fusion_attention(*_to_dev(q, k, v), HQ, "BNSD", atten_mask=masked.to(DEVICE_TYPE))
+    assert isinstance(result, tuple) and len(result) == 7
+    out, softmax_max, softmax_sum, softmax_out, seed, offset, numels = result
+    # True = masked out, and the default scale is 1.0 (not 1/sqrt(d))
+    close(out, dk.attention(q, k, v, attn_mask=~masked, scale=1.0))
+    assert not torch.allclose(out.cpu(), dk.attention(q, k, v, attn_mask=~masked), atol=1e-3)
+    for stat in (softmax_max, softmax_sum):
+        assert stat.shape == (B, HQ, 6, 8) and stat.dtype == torch.float32 and stat.device.type == DEVICE_TYPE
+    assert softmax_out.numel() == 0 and (seed, offset, numels) == (0, 0, 0)
+    dropped = npu.npu_fusion_attention(*_to_dev(q, k, v), HQ, "BNSD", keep_prob=0.9)
+    assert dropped[6] == B * HQ * 6 * 10
+
+
+@only("ascend")
+@pytest.mark.parametrize("sparse_mode", [2, 3])
+def test_npu_fusion_attention_causal_sparse_modes(sparse_mode: int) -> None:
+    npu = _npu()
+    q, k, v = _qkv(5, 9, hkv=2)
+    compressed = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1).to(DEVICE_TYPE)
+    out = npu.npu_fusion_attention(*_to_dev(q, k, v), HQ, "BNSD", atten_mask=compressed, scale=0.25,
+                                   sparse_mode=sparse_mode)[0]
+    alignment = "top_left" if sparse_mode == 2 else "bottom_right"
+    close(out, dk.attention(q, k, v, causal=True, causal_alignment=alignment, scale=0.25))
+    # without atten_mask the vendor computes full attention, whatever sparse_mode says
+    full = npu.npu_fusion_attention(*_to_dev(q, k, v), HQ, "BNSD", scale=0.25, sparse_mode=sparse_mode)[0]
+    close(full, dk.attention(q, k, v, scale=0.25))
+
+
+@only("ascend")
+def test_npu_fusion_attention_refusals() -> None:
+    npu = _npu()
+    q, k, v = _to_dev(*_qkv())
+    with pytest.raises(ValueError, match="compressed causal mask"):
+        npu.npu_fusion_attention(q, k, v, HQ, "BNSD", atten_mask=torch.ones(6, 6, dtype=torch.bool,
+                                                                           device=DEVICE_TYPE).triu(1), sparse_mode=2)
+    band = torch.ones(6, 6, dtype=torch.bool, device=DEVICE_TYPE)
+    with pytest.raises(NotImplementedError, match="sparse_mode=4"):
+        npu.npu_fusion_attention(q, k, v, HQ, "BNSD", atten_mask=band, sparse_mode=4)
+    with pytest.raises(TypeError, match="bool or uint8"):
+        npu.npu_fusion_attention(q, k, v, HQ, "BNSD", atten_mask=torch.zeros(6, 6, device=DEVICE_TYPE))
+    with pytest.raises(ValueError, match="head_num"):
+        npu.npu_fusion_attention(q, k, v, 3, "BNSD")
+    with pytest.raises(RuntimeError, match="NPU tensors only"):
+        npu.npu_fusion_attention(q.cpu(), k, v, HQ, "BNSD")
+
+
+@only("ascend")
+def test_npu_fusion_attention_tnd_lengths_without_leading_zero() -> None:
+    npu = _npu()
+    q, k, v = (torch.randn(9, HQ, D) for _ in range(3))  # lengths [2, 3] then a token outside every sequence
+    args = (*_to_dev(q, k, v), HQ, "TND")
+    out = npu.npu_fusion_attention(*args, actual_seq_qlen=[2, 5, 0], actual_seq_kvlen=[2, 5, 0], scale=0.5)
+    expected = dk.attention(q[:5], k[:5], v[:5], layout="TND", cu_seqlens_q=[0, 2, 5], scale=0.5)
+    close(out[0][:5], expected)
+    assert out[0][5:].abs().max().item() == 0.0  # trailing tokens take no part
+    assert out[1].shape == (9, HQ, 8)
+    with pytest.raises(ValueError, match="actual_seq_qlen"):
+        npu.npu_fusion_attention(*args)
+
+
+@only("ascend")
+def test_npu_fusion_attention_pse_is_added_before_scaling() -> None:
+    npu = _npu()
+    q, k, v = _qkv()
+    pse = torch.randn(1, HQ, 6, 6)
+    out = npu.npu_fusion_attention(*_to_dev(q, k, v), HQ, "BNSD", pse=pse.to(DEVICE_TYPE), scale=0.5)[0]
+    close(out, dk.attention(q, k, v, attn_mask=pse * 0.5, scale=0.5))
+
+
+@only("ascend")
+def test_npu_rms_norm_returns_y_and_rstd() -> None:
+    npu = _npu()
+    x, gamma = torch.randn(3, 4, 16), torch.randn(4, 16)  # gamma over the two trailing dimensions
+    y, rstd = npu.npu_rms_norm(*_to_dev(x, gamma), epsilon=1e-5)
+    expected_rstd = torch.rsqrt(x.pow(2).mean((-2, -1), keepdim=True) + 1e-5)
+    close(rstd, expected_rstd)
+    close(y, x * expected_rstd * gamma)
+    assert rstd.shape == (3, 1, 1) and rstd.dtype == torch.float32
+    bf16 = npu.npu_rms_norm(torch.randn(2, 8, dtype=torch.bfloat16, device=DEVICE_TYPE),
+                            torch.randn(8, dtype=torch.bfloat16, device=DEVICE_TYPE))
+    assert bf16[0].dtype == torch.bfloat16 and bf16[1].dtype == torch.float32
+    with pytest.raises(TypeError, match="gamma"):
+        npu.npu_rms_norm(torch.randn(2, 8, device=DEVICE_TYPE), torch.randn(8, dtype=torch.float16,
+                                                                             device=DEVICE_TYPE))
+
+
+@only("ascend")
+def test_npu_swiglu_split_dim_and_validation() -> None:
+    npu = _npu()
+    out = conform(lambda x: npu.npu_swiglu(x, dim=1),
+                  lambda x: torch.nn.functional.silu(x.chunk(2, 1)[0]) * x.chunk(2, 1)[1],  # a = the first half
+                  {"x": torch.randn(4, 6, 3)}, ("x",), torch.float32)
+    assert out.shape == (4, 3, 3) and out.is_contiguous()
+    dev = torch.randn(4, 6, device=DEVICE_TYPE)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        npu.npu_swiglu(dev.t())
+    with pytest.raises(RuntimeError, match="odd"):
+        npu.npu_swiglu(torch.randn(4, 5, device=DEVICE_TYPE))
+    with pytest.raises(TypeError, match="float32"):
+        npu.npu_swiglu(torch.ones(4, 6, dtype=torch.float64, device=DEVICE_TYPE))
+    with pytest.raises(ValueError, match="1 to 8"):
+        npu.npu_swiglu(torch.randn([1] * 8 + [2], device=DEVICE_TYPE))
+    with pytest.raises(RuntimeError, match="empty"):
+        npu.npu_swiglu(torch.randn(0, 4, device=DEVICE_TYPE))
+
+
+def _vendor_rotary(x: Tensor, r1: Tensor, r2: Tensor, mode: str) -> Tensor:
+    """torch_npu's documented formulas."""
+    if mode == "half":
+        x1, x2 = torch.chunk(x, 2, -1)
+        x_new = torch.cat((-x2, x1), dim=-1)
+    else:
+        x_new = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    return r1 * x + r2 * x_new
+
+
+@only("ascend")
+@pytest.mark.parametrize("mode", ["half", "interleave"])
+def test_npu_rotary_mul_modes(mode: str) -> None:
+    npu = _npu()
+    angles = torch.rand(1, 6, 1, D)
+    inputs = {"x": torch.randn(B, 6, HQ, D), "r1": angles.cos(), "r2": angles.sin()}
+    conform(lambda x, r1, r2: npu.npu_rotary_mul(x, r1, r2, rotary_mode=mode),
+            lambda x, r1, r2: _vendor_rotary(x, r1, r2, mode), inputs, ("x", "r1", "r2"), torch.float32)
+    with pytest.raises(ValueError, match="4-D"):
+        npu.npu_rotary_mul(*_to_dev(torch.randn(6, D), angles.cos()[0, :, 0], angles.sin()[0, :, 0]))
+
+
+def _vendor_adam_w(var: Tensor, m: Tensor, v: Tensor, grad: Tensor, b1_power: float, b2_power: float, lr: float,
+                   wd: float, b1: float, b2: float, eps: float) -> Tensor:
+    """The op-plugin test's CPU reference for npu_apply_adam_w (no amsgrad, no maximize)."""
+    m.mul_(b1).add_(grad, alpha=1 - b1)
+    v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    var_t = var * (1 - lr * wd)
+    denom = torch.sqrt(v / (1 - b2_power * b2)) + eps
+    return var_t - lr * m / (1 - b1_power * b1) / denom
+
+
+@only("ascend")
+def test_npu_apply_adam_w_semantics() -> None:
+    npu = _npu()
+    var, m, v, grad = torch.randn(64) * 3, torch.rand(64), torch.rand(64), torch.randn(64)
+    dv, dm, dvv, dg = _to_dev(var, m, v, grad)
+    args = (0.7, 0.95, 0.01, 0.05, 0.9, 0.999, 1e-6)
+    result = npu.npu_apply_adam_w(*args, dg, None, False, False, out=(dv, dm, dvv))
+    assert result[0] is dv and result[1] is dm and result[2] is dvv
+    expected = _vendor_adam_w(var, m, v, grad, 0.7, 0.95, 0.01, 0.05, 0.9, 0.999, 1e-6)
+    close(dv, expected)
+    close(dm, m)
+    close(dvv, v)
+    with pytest.raises(RuntimeError, match="not implemented for Tensor"):
+        npu.npu_apply_adam_w(*args, dg, None, False, False)
+    with pytest.raises(RuntimeError, match="max_grad_norm"):
+        npu.npu_apply_adam_w(*args, dg, None, True, False, out=(dv, dm, dvv))
+    with pytest.raises(RuntimeError, match="NPU tensors only"):
+        npu.npu_apply_adam_w(*args, grad, None, False, False, out=(dv, dm, dvv))
+
+
+@only("ascend")
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+def test_npu_fused_adamw_matches_torch_adamw(amsgrad: bool) -> None:
+    """Bias correction and weight decay over several steps and two groups (DeepSpeed PRs 5775/5777 fixed both in
+    its NPU FusedAdam): the optimizer passes beta**(t-1) and the kernel multiplies by beta once more."""
+    from torch_npu.optim import NpuFusedAdamW
+
+    cpu = [torch.nn.Parameter(torch.randn(5, 4)), torch.nn.Parameter(torch.randn(7))]
+    dev = [torch.nn.Parameter(p.detach().to(DEVICE_TYPE)) for p in cpu]
+
+    def groups(ps: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
+        return [{"params": [ps[0]]}, {"params": [ps[1]], "lr": 3e-2, "weight_decay": 0.0}]
+
+    reference = torch.optim.AdamW(groups(cpu), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, amsgrad=amsgrad)
+    fused = NpuFusedAdamW(groups(dev), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, amsgrad=amsgrad)
+    for _ in range(6):
+        for c, d in zip(cpu, dev, strict=True):
+            c.grad = torch.randn(c.shape)
+            d.grad = c.grad.to(DEVICE_TYPE)
+        reference.step()
+        fused.step()
+    for c, d in zip(cpu, dev, strict=True):
+        assert d.device.type == DEVICE_TYPE
+        torch.testing.assert_close(d.detach().cpu(), c.detach(), atol=1e-6, rtol=1e-5)
+    assert fused.state[dev[0]]["step"] == 6
+
+
+@only("ascend")
+def test_npu_ops_refuse_host_tensors() -> None:
+    npu = _npu()
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="NPU tensors only"):
+        npu.npu_rms_norm(x, torch.randn(8, device=DEVICE_TYPE))
+    with pytest.raises(RuntimeError, match="NPU tensors only"):
+        torch.ops.npu.npu_swiglu(x)
+    with pytest.raises(RuntimeError, match="NPU tensors only"):
+        npu.npu_rotary_mul(torch.randn(1, 2, 3, 8), *_to_dev(torch.ones(1, 1, 3, 8), torch.ones(1, 1, 3, 8)))
+
+
+# -- Sophgo: torch_tpu's my_ops out-parameter kernels --------------------------------------------------------------
+
+def _vendor_rmsnorm(x: Tensor, scale: Tensor | None, bias: Tensor | None, dims: tuple[int, ...], eps: float) -> Tensor:
+    """Sophgo's CPU reference (python/regression/test_llm/test_rmsnorm.py), over ``dims``."""
+    y = x / torch.sqrt(torch.mean(torch.square(x), dim=dims, keepdim=True) + eps)
+    if scale is not None:
+        y = y * scale
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+@only("sophgo")
+@pytest.mark.parametrize("scale, bias", [(True, True), (True, False), (False, True), (False, False)])
+def test_my_ops_rmsnorm_forward_out_parameter(scale: bool, bias: bool) -> None:
+    x = torch.randn(4, 1, 1, 32)
+    s, b = (torch.rand(32) if scale else None), (torch.rand(32) if bias else None)
+    out = torch.empty(4, 1, 1, 32, device=DEVICE_TYPE)
+    s_dev = None if s is None else s.to(DEVICE_TYPE)
+    b_dev = None if b is None else b.to(DEVICE_TYPE)
+    returned = torch.ops.my_ops.rmsnorm_forward(x.to(DEVICE_TYPE), s_dev, b_dev, out, 3, 1e-5)
+    assert returned is out  # written in place and returned, as the vendor's
+    close(out, _vendor_rmsnorm(x, s, b, (-1,), 1e-5))
+
+
+@only("sophgo")
+def test_my_ops_rmsnorm_axis_and_backward() -> None:
+    x, s, b = torch.randn(3, 4, 8), torch.rand(4, 8), torch.rand(4, 8)
+    out = torch.empty(3, 4, 8, device=DEVICE_TYPE)
+    torch.ops.my_ops.rmsnorm_forward(*_to_dev(x, s, b), out, 1, 1e-6)  # normalise dims 1 and 2
+    close(out, _vendor_rmsnorm(x, s, b, (1, 2), 1e-6))
+    with pytest.raises(ValueError, match="axis"):
+        torch.ops.my_ops.rmsnorm_forward(*_to_dev(x, s, b), out, -1, 1e-6)
+    # backward: gradients written into the given buffers
+    xc, sc, bc = (t.clone().requires_grad_() for t in (x, s, b))
+    grad = torch.randn(3, 4, 8)
+    _vendor_rmsnorm(xc, sc, bc, (1, 2), 1e-6).backward(grad)
+    gx, gs, gb = (torch.empty(t.shape, device=DEVICE_TYPE) for t in (x, s, b))
+    rms = torch.zeros(3, 4, 8, device=DEVICE_TYPE)
+    returned = torch.ops.my_ops.rmsnorm_backward(*_to_dev(grad, x, s, b), rms, gx, gs, gb, 1, 1e-6)
+    assert returned is rms
+    for got, want in ((gx, xc.grad), (gs, sc.grad), (gb, bc.grad)):
+        close(got, want)
+
+
+@only("sophgo")
+def test_my_ops_llama_mlp_forward() -> None:
+    tokens, h, i = 5, 16, 24
+    x, w0, w1, w_down = torch.randn(tokens, h), torch.randn(i, h), torch.randn(i, h), torch.randn(h, i)
+    out, fc1, m0 = (torch.empty(shape, device=DEVICE_TYPE) for shape in ((tokens, h), (tokens, i), (tokens, i)))
+    torch.ops.my_ops.llama_mlp_forward(*_to_dev(x, w0, w1, w_down.t().contiguous()), None, None, None, fc1, m0, out,
+                                       True)
+    # Sophgo's reference (python/test/llama_mlp.py): mm2(mm0(x) * silu(mm1(x)))
+    close(out, (x @ w0.t() * torch.nn.functional.silu(x @ w1.t())) @ w_down.t())
+    close(fc1, x @ w1.t())
+    close(m0, x @ w0.t())
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@only("sophgo")
+def test_my_ops_llama_attention_forward() -> None:
+    """Against Sophgo's reference (python/utest_ops/llama_attn_fwd_bwd.py: attention()): rotary on q and k, additive
+    triu mask per token row, grouped-query heads, log-sum-exp written."""
+    batch, seq, hq, hkv, d = 2, 6, 4, 2, 8
+    q, k, v = torch.randn(batch * seq, hq, d), torch.randn(batch * seq, hkv, d), torch.randn(batch * seq, hkv, d)
+    theta = torch.rand(seq, 1, d // 2).repeat(1, 1, 2)
+    cos, sin = theta.cos(), theta.sin()
+    mask = torch.triu(torch.full((seq, seq), -10000.0), diagonal=1).repeat(batch, 1)  # [batch * seq, seq]
+    scale = d ** -0.5
+    out = torch.empty(batch * seq, hq, d, device=DEVICE_TYPE)
+    lse = torch.empty(batch * seq, hq, 1, device=DEVICE_TYPE)
+    lengths = torch.tensor([seq] * batch, dtype=torch.int32)  # host tensor, as the vendor reads it
+    torch.ops.my_ops.llama_attention_forward(out, *_to_dev(q, k, v, cos, sin, mask), lse, lengths, seq, scale, 0.0,
+                                             batch)
+    qr = (q.view(batch, seq, hq, d) * cos + _rotate_half(q.view(batch, seq, hq, d)) * sin).transpose(1, 2)
+    kr = k.view(batch, seq, hkv, d) * cos + _rotate_half(k.view(batch, seq, hkv, d)) * sin
+    kr = kr.repeat_interleave(hq // hkv, 2).transpose(1, 2)
+    vr = v.view(batch, seq, hkv, d).repeat_interleave(hq // hkv, 2).transpose(1, 2)
+    scores = qr @ kr.transpose(-1, -2) * scale + mask.view(batch, 1, seq, seq)
+    expected = (scores.softmax(-1) @ vr).transpose(1, 2).reshape(batch * seq, hq, d)
+    close(out, expected)
+    close(lse, torch.logsumexp(scores, -1).transpose(1, 2).reshape(batch * seq, hq, 1))
+
+
+@only("sophgo")
+def test_my_ops_refuse_host_tensors_and_have_no_standalone_swiglu_or_rotary() -> None:
+    out = torch.empty(2, 8, device=DEVICE_TYPE)
+    with pytest.raises(RuntimeError, match="TPU tensors only"):
+        torch.ops.my_ops.rmsnorm_forward(torch.randn(2, 8), None, None, out, 1, 1e-6)
+    for name in ("swiglu", "rotary", "rotary_mul"):
+        assert not hasattr(torch.ops.my_ops, name)
+
+
+@only("sophgo")
+def test_fused_adamw_is_torch_fused_kernel_on_tpu() -> None:
+    """What ``torch.optim.AdamW(fused=True)`` runs on Sophgo's device."""
+    param = torch.nn.Parameter(torch.randn(6, 2))
+    dev = torch.nn.Parameter(param.detach().to(DEVICE_TYPE))
+    reference = torch.optim.AdamW([param], lr=1e-2, weight_decay=0.1)
+    fused = torch.optim.AdamW([dev], lr=1e-2, weight_decay=0.1, fused=True)
+    for _ in range(4):
+        param.grad = torch.randn(6, 2)
+        dev.grad = param.grad.to(DEVICE_TYPE)
+        reference.step()
+        fused.step()
+    torch.testing.assert_close(dev.detach().cpu(), param.detach(), atol=1e-6, rtol=1e-5)

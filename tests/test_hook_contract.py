@@ -1,0 +1,196 @@
+"""Spec: what the hook specs promise about a selected plugin's answers holds once devshim activates on it.
+
+Each spec activates devshim in this pytest process on an in-process plugin (``session.activate(environ,
+extra_plugins=...)``), then restores the suite's own session. Covered here: a plugin without optimizer kernels
+makes DeepSpeed's FusedAdam/CPUAdam refuse instead of compiling them; a plugin's ``devshim_patches`` list is
+applied as one version-gated set, all or nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+import types
+from collections.abc import Iterator
+
+# isort: off
+import devshim_core.auto  # noqa: F401  (activates devshim in this pytest process, before deepspeed)
+import deepspeed
+
+# isort: on
+import jit_watch
+import pytest
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from plugin_fixtures import FakePlugin, only
+
+from devshim_core import DeviceReport, OptimizerKernels, hookimpl, session
+from devshim_core.device import build_device
+from devshim_core.errors import PatchError, PluginError
+from devshim_core.patching import REGISTRY, Patch, Requirement, SetAttribute
+from devshim_core.plugins import discover
+from devshim_core.selection import select
+
+PLUGIN = "under_test"
+PYTEST = pytest.__version__
+_modules = itertools.count()
+
+# -- no JIT compilation while this module runs ---------------------------------------------------------------------
+
+jit_compilations = jit_watch.fixture()
+
+
+@contextlib.contextmanager
+def activated_on(plugin: object) -> Iterator[session.Session]:
+    """devshim activated with ``plugin`` forced (as ``under_test``); afterwards an equivalent of the suite's session
+    is back (a new Session object: ``devshim_core.auto.session`` still names the first one)."""
+    had_session = session.current() is not None
+    session.deactivate()
+    try:
+        yield session.activate({"DEVSHIM_PLUGIN": PLUGIN}, extra_plugins=[(PLUGIN, plugin)])
+    finally:
+        session.deactivate()
+        if had_session:
+            session.activate()  # as `import devshim_core.auto` made it (same environment)
+
+
+@pytest.fixture
+def target_module(monkeypatch) -> types.ModuleType:
+    """A throwaway module for vendor patches to change, with ``f`` set to ``"original"``."""
+    module = types.ModuleType(f"devshim_hook_contract_target_{next(_modules)}")
+    module.f = "original"
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+# -- optimizer kernels ---------------------------------------------------------------------------------------------
+
+
+class AnswersNoOptimizerKernels(FakePlugin):
+    @hookimpl
+    def devshim_optimizer_kernels(self, report: DeviceReport) -> None:
+        return None
+
+
+class AnswersEmptyOptimizerKernels(FakePlugin):
+    @hookimpl
+    def devshim_optimizer_kernels(self, report: DeviceReport) -> OptimizerKernels:
+        return OptimizerKernels()
+
+
+def refusal(op: str, kernel: str) -> str:
+    return (f"DeepSpeed op {op!r} is not available through devshim plugin {PLUGIN!r}: the plugin provides no "
+            f"{kernel} kernel. devshim never JIT-compiles DeepSpeed ops.")
+
+
+@pytest.mark.parametrize("plugin_class", [AnswersNoOptimizerKernels, AnswersEmptyOptimizerKernels],
+                         ids=["answers-None", "answers-all-None"])
+def test_without_optimizer_kernels_deepspeeds_adam_builders_refuse_naming_the_plugin(plugin_class):
+    with activated_on(plugin_class(priority=1)) as active:
+        # the installed cpu_reference plugin has every kernel: another plugin's answers never fill in
+        assert active.registry.records["cpu_reference"].available
+        assert active.device.optimizer == OptimizerKernels()
+        for builder_name, op, kernel in (("FusedAdamBuilder", "fused_adam", "fused AdamW"),
+                                         ("CPUAdamBuilder", "cpu_adam", "host Adam")):
+            imported = getattr(deepspeed.ops.op_builder, builder_name)()
+            created = get_accelerator().create_op_builder(builder_name)
+            for builder in (imported, created):
+                assert builder.is_compatible() is False
+                for load in (builder.load, builder.jit_load):
+                    with pytest.raises(RuntimeError) as excinfo:
+                        load()
+                    assert str(excinfo.value) == refusal(op, kernel)
+
+
+def test_without_optimizer_kernels_fused_adam_and_cpu_adam_cannot_be_created(monkeypatch):
+    import cpuinfo
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {})  # DeepSpeedCPUAdam asks it first; it takes seconds
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with activated_on(AnswersNoOptimizerKernels(priority=1)):
+        with pytest.raises(RuntimeError) as fused:
+            FusedAdam(params)
+        assert str(fused.value) == refusal("fused_adam", "fused AdamW")
+        with pytest.raises(RuntimeError) as host:
+            DeepSpeedCPUAdam(params)
+        assert str(host.value) == "DeepSpeedCPUAdam requires the cpu_adam op, which failed to build/load."
+        assert str(host.value.__cause__) == refusal("cpu_adam", "host Adam")
+
+
+def test_the_suites_session_is_back_and_serves_the_adam_ops_again():
+    """Guards the specs above: they leave the process as ``import devshim_core.auto`` made it."""
+    active = session.current()
+    assert active is not None and active.device.plugin == "cpu_reference"
+    assert get_accelerator()._devshim_device is active.device
+    assert deepspeed.ops.op_builder.FusedAdamBuilder().is_compatible() is True
+
+
+# -- vendor patches ------------------------------------------------------------------------------------------------
+
+
+class DeclaresPatches(FakePlugin):
+    def __init__(self, patches: list[Patch] | None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.patches = patches
+
+    @hookimpl
+    def devshim_patches(self, report: DeviceReport) -> list[Patch] | None:
+        return self.patches
+
+
+def narrowing(module: types.ModuleType, *requires: Requirement) -> SetAttribute:
+    return SetAttribute(name="narrow-f", target=f"{module.__name__}:f", make=lambda original, device: "narrowed",
+                        reason="the device has no wide f", requires=requires)
+
+
+def test_a_plugins_patches_are_applied_as_one_set_and_reported_with_their_version_range(target_module):
+    patch = narrowing(target_module, Requirement("pytest", f">={PYTEST}"))
+    with activated_on(DeclaresPatches([patch], priority=1)) as active:
+        assert active.device.patches == (patch,)
+        assert target_module.f == "narrowed"
+        assert f"plugin:{PLUGIN}" in active.integrations
+        [row] = [row for row in REGISTRY.report() if row["set"] == f"plugin:{PLUGIN}"]
+        assert (row["name"], row["requires"], row["versions"]) == ("narrow-f", {"pytest": f">={PYTEST}"},
+                                                                   {"pytest": PYTEST})
+    assert target_module.f == "original"  # deactivation reverted it
+
+
+@pytest.mark.parametrize(("requires", "unmet"), [
+    ((Requirement("pytest", f"<{PYTEST}"),), f"supports pytest <{PYTEST}, but pytest {PYTEST} is installed"),
+    ((Requirement("devshim-no-such-distribution", ">=1"),),
+     "supports devshim-no-such-distribution >=1, but devshim-no-such-distribution is not installed"),
+], ids=["other-version", "not-installed"])
+def test_a_plugin_patch_whose_range_is_not_met_stops_activation_and_leaves_nothing_applied(target_module, requires,
+                                                                                           unmet):
+    other = SetAttribute(name="in-range", target=f"{target_module.__name__}:g", make=lambda original, device: 1,
+                         reason="applies anywhere")
+    plugin = DeclaresPatches([other, narrowing(target_module, *requires)], priority=1)
+    with pytest.raises(PatchError) as excinfo, activated_on(plugin):
+        pass
+    assert str(excinfo.value) == (f"cannot apply devshim's 'plugin:{PLUGIN}' patches: patch 'narrow-f' "
+                                  f"({target_module.__name__}:f) {unmet}.")
+    assert target_module.f == "original" and not hasattr(target_module, "g")
+    assert not REGISTRY.is_applied(f"plugin:{PLUGIN}")
+
+
+@pytest.mark.parametrize("answer", [None, []], ids=["None", "empty-list"])
+def test_a_plugin_without_patches_gets_no_plugin_patch_set(answer):
+    with activated_on(DeclaresPatches(answer, priority=1)) as active:
+        assert active.device.patches == ()
+        assert f"plugin:{PLUGIN}" not in active.integrations
+        assert not REGISTRY.is_applied(f"plugin:{PLUGIN}")
+
+
+def test_a_plugin_patches_answer_with_an_item_that_is_not_a_patch_is_a_plugin_error(target_module):
+    registry = discover(only(PLUGIN), extra=[(PLUGIN, DeclaresPatches([narrowing(target_module), "argmax"]))])
+    with pytest.raises(PluginError, match=r"^plugin 'under_test': devshim_patches returned non-Patch items "
+                                          r"\['argmax'\]\.$"):
+        build_device(registry, select(registry, only(PLUGIN)))
+
+
+# -- last: nothing above compiled anything -------------------------------------------------------------------------
+
+def test_nothing_was_jit_compiled_while_this_module_ran(jit_compilations):
+    jit_watch.assert_nothing_compiled(jit_compilations)
