@@ -179,7 +179,11 @@ def build_device(registry: PluginRegistry, selection: Selection) -> Device:
     optimizer = _checked(registry, record, "devshim_optimizer_kernels", OptimizerKernels, OptimizerKernels())
     attention = _checked(registry, record, "devshim_attention_kernels", AttentionKernels, AttentionKernels())
     patch_lists = _checked(registry, record, "devshim_patches", list, [])
-    patches = tuple(p for answer in patch_lists for p in (answer or ()))
+    answers = [answer for answer in patch_lists if answer is not None]
+    if any(not isinstance(answer, (list, tuple)) for answer in answers):
+        raise PluginError(f"plugin {record.name!r}: devshim_patches must return a list of Patch objects, got "
+                          f"{[type(a).__name__ for a in answers]}.")
+    patches = tuple(p for answer in answers for p in answer)
     bad = [p for p in patches if not isinstance(p, Patch)]
     if bad:
         raise PluginError(f"plugin {record.name!r}: devshim_patches returned non-Patch items {bad!r:.200}.")

@@ -1,7 +1,7 @@
 """Small typed records that plugins return from their hooks and that the core passes along.
 
-Plugins build these; the core validates them (a plugin that returns something else is recorded as
-broken, not trusted). Everything here is plain data or plain callables, so that the facade can bind
+Plugins build these; the core checks their types (a detection answer of another type marks the plugin
+broken; any later hook's stops activation with a PluginError). Everything here is plain data or plain callables, so that the facade can bind
 each callable once and the frameworks call the vendor's function with no dispatch in between.
 """
 
@@ -130,7 +130,7 @@ class CollectivesSpec:
 class AllocatorSpec:
     """Memory accounting and allocator control (``devshim_allocator``).
 
-    Every callable takes an optional device index, like ``torch.cuda``'s. ``config_env``: the variable
+    Every callable but ``empty_cache`` takes an optional device index, like ``torch.cuda``'s. ``config_env``: the variable
     the vendor allocator reads its settings from (``PYTORCH_NPU_ALLOC_CONF``), or ``None``.
     ``validate_config``: raises ``ValueError`` with an actionable message for a bad settings string.
     """
@@ -224,7 +224,8 @@ class OptimizerKernels:
 
     ``fused_adamw`` runs on the device; ``host_adam_step`` / ``host_adam_rollback`` run on the host for
     ZeRO-Offload whatever the device (rollback undoes exactly one step, given the same gradient).
-    ``None`` means the plugin has no such kernel: frameworks then keep their own (and may compile it).
+    ``None`` means the plugin has no such kernel: DeepSpeed's FusedAdam/CPUAdam then refuse to load with an
+    error naming the plugin (devshim never lets DeepSpeed JIT-compile its own).
     """
 
     fused_adamw: FusedAdamW | None = None

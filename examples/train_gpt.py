@@ -164,7 +164,7 @@ def batches(args: argparse.Namespace, rank: int, device: torch.device, start_ste
 def ds_config(args: argparse.Namespace, world: int) -> dict:
     zero: dict = {"stage": args.zero_stage}
     if args.offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.grad_accum,
@@ -255,7 +255,10 @@ def main() -> None:
     basic = getattr(optimizer, "optimizer", optimizer)  # what a ZeRO/bf16 wrapper steps with
     state_devices = sorted({str(value.device) for state in getattr(basic, "state", {}).values()
                             for value in state.values() if torch.is_tensor(value) and value.dim() > 0})
+    # ZeRO-Offload's fp32 master partitions live in host memory, page-locked when the device can pin it
+    offloaded = getattr(optimizer, "single_partition_of_fp32_groups", None) if args.offload else None
     summary = {
+        "offload_partitions_pinned": [bool(t.is_pinned()) for t in offloaded] if offloaded else None,
         "rank_count": world,
         "dist_backend": dist.get_backend(),
         "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
@@ -297,10 +300,11 @@ def main() -> None:
     }
     # every rank's view of the per-process facts, so a report proves them for the whole job, not rank 0 alone
     per_rank_fields = ("dist_backend", "local_rank", "current_device", "device", "param_devices", "grad_devices",
-                       "optimizer_state_devices", "accelerator", "plugin", "device_count", "visible_devices",
-                       "deepspeed_imported_before_devshim", "deepspeed_integration", "engine", "pipeline_stage",
-                       "optimizer", "basic_optimizer", "engine_optimizer_op", "fused_op", "param_dtype", "start_step",
-                       "blocks", "forwards_per_block_per_micro_batch")
+                       "optimizer_state_devices", "offload_partitions_pinned", "accelerator", "plugin",
+                       "device_count", "visible_devices", "deepspeed_imported_before_devshim",
+                       "deepspeed_integration", "engine", "pipeline_stage", "optimizer", "basic_optimizer",
+                       "engine_optimizer_op", "fused_op", "param_dtype", "start_step", "blocks",
+                       "forwards_per_block_per_micro_batch")
     ranks: list = [None] * world
     dist.all_gather_object(ranks, {"rank": rank, **{key: summary[key] for key in per_rank_fields}})
     summary["ranks"] = ranks

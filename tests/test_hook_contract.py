@@ -190,6 +190,13 @@ def test_a_plugin_patches_answer_with_an_item_that_is_not_a_patch_is_a_plugin_er
         build_device(registry, select(registry, only(PLUGIN)))
 
 
+def test_a_plugin_patches_answer_that_is_a_single_patch_not_a_list_is_a_plugin_error(target_module):
+    registry = discover(only(PLUGIN), extra=[(PLUGIN, DeclaresPatches(narrowing(target_module)))])
+    with pytest.raises(PluginError, match=r"^plugin 'under_test': devshim_patches must return a list of Patch "
+                                          r"objects, got \['SetAttribute'\]\.$"):
+        build_device(registry, select(registry, only(PLUGIN)))
+
+
 # -- last: nothing above compiled anything -------------------------------------------------------------------------
 
 def test_nothing_was_jit_compiled_while_this_module_ran(jit_compilations):

@@ -106,6 +106,8 @@ def assert_trained_through_devshim(job: Job, report: dict[str, Any], *, optimize
         assert rank["grad_devices"] == [own], context
         offloaded = optimizer_op == "HostAdamOp"
         assert rank["optimizer_state_devices"] == (["cpu"] if offloaded else [own]), context
+        if offloaded:  # asked for pinned host memory: a vendor device pins it, the CPU has nothing to pin
+            assert rank["offload_partitions_pinned"] == [platform.device_type != "cpu"], context
         if optimizer_op == "FusedAdamOp":  # DeepSpeed's FusedAdam on devshim's fused kernel
             assert rank["basic_optimizer"] == "FusedAdam", context
             assert rank["fused_op"] == "FusedAdamOp", context

@@ -1,13 +1,12 @@
 """Tests that run inside an emulated vendor process: ``DEVSHIM_EMULATE=ascend pytest tests/emulated`` (or sophgo).
 
 A process can emulate one PrivateUse1 device, and renaming it changes ``torch.accelerator`` for the whole
-process, so these tests never run in the main suite's process: without DEVSHIM_EMULATE they are not
-collected, and ``make test`` runs this folder once per vendor in a process of its own.
+process, so these tests never run in the main suite's process: without emulation they are not collected,
+and ``make test`` runs this folder once per vendor in a process of its own. The device is brought up by
+devshim's pytest plugin (``devshim_core.emulation.pytest_plugin``, loaded by the root conftest).
 """
 
 from __future__ import annotations
-
-import importlib
 
 import pytest
 
@@ -16,9 +15,6 @@ from devshim_core import emulation
 VENDOR = emulation.requested_vendor()
 if VENDOR is None:
     collect_ignore_glob = ["test_*.py"]
-else:
-    emulation.install_sdk(VENDOR)
-    SDK = importlib.import_module({"ascend": "torch_npu", "sophgo": "torch_tpu"}[VENDOR])
 DEVICE_TYPE = emulation.VENDORS.get(VENDOR or "", "")
 
 
@@ -29,11 +25,10 @@ def vendor() -> str:
 
 
 @pytest.fixture(scope="session")
-def device_type() -> str:
+def device_type(emulated_device: object) -> str:
     return DEVICE_TYPE
 
 
 def only(vendor_name: str) -> pytest.MarkDecorator:
-    """Mark a test that exercises one vendor's API."""
-    return pytest.mark.skipif(vendor_name != VENDOR, reason=f"exercises {vendor_name}'s API; this process emulates "
-                                                            f"{VENDOR}")
+    """Mark a test that exercises one vendor's API (the plugin's marker)."""
+    return pytest.mark.devshim_emulated(vendor_name)
