@@ -1,8 +1,9 @@
 """Small typed records that plugins return from their hooks and that the core passes along.
 
 Plugins build these; the core checks their types (a detection answer of another type marks the plugin
-broken; any later hook's stops activation with a PluginError). Everything here is plain data or plain callables, so that the facade can bind
-each callable once and the frameworks call the vendor's function with no dispatch in between.
+broken; any later hook's stops activation with a PluginError). Everything here is plain data or plain
+callables, so that the facade can bind each callable once and the frameworks call the vendor's function
+with no dispatch in between.
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ class CollectivesSpec:
 class AllocatorSpec:
     """Memory accounting and allocator control (``devshim_allocator``).
 
-    Every callable but ``empty_cache`` takes an optional device index, like ``torch.cuda``'s. ``config_env``: the variable
-    the vendor allocator reads its settings from (``PYTORCH_NPU_ALLOC_CONF``), or ``None``.
+    Every callable but ``empty_cache`` takes an optional device index, like ``torch.cuda``'s.
+    ``config_env``: the variable the vendor allocator reads its settings from (``PYTORCH_NPU_ALLOC_CONF``), or ``None``.
     ``validate_config``: raises ``ValueError`` with an actionable message for a bad settings string.
     """
 

@@ -9,6 +9,7 @@ applied as one version-gated set, all or nothing.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import sys
 import types
@@ -22,11 +23,12 @@ import deepspeed
 import jit_watch
 import pytest
 import torch
+import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from plugin_fixtures import FakePlugin, only
 
-from devshim_core import DeviceReport, OptimizerKernels, hookimpl, session
+from devshim_core import CollectivesSpec, DeviceReport, OptimizerKernels, hookimpl, session
 from devshim_core.device import build_device
 from devshim_core.errors import PatchError, PluginError
 from devshim_core.patching import REGISTRY, Patch, Requirement, SetAttribute
@@ -195,6 +197,60 @@ def test_a_plugin_patches_answer_that_is_a_single_patch_not_a_list_is_a_plugin_e
     with pytest.raises(PluginError, match=r"^plugin 'under_test': devshim_patches must return a list of Patch "
                                           r"objects, got \['SetAttribute'\]\.$"):
         build_device(registry, select(registry, only(PLUGIN)))
+
+
+class PassesInitArguments(FakePlugin):
+    """A plugin whose backend needs an ``init_process_group`` argument frameworks never pass."""
+
+    def __init__(self, init_kwargs: dict, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.init_kwargs = init_kwargs
+
+    @hookimpl
+    def devshim_collectives(self, report: DeviceReport) -> CollectivesSpec:
+        return CollectivesSpec("gloo", init_kwargs=self.init_kwargs)
+
+
+def _default_group_timeout() -> datetime.timedelta:
+    return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+
+
+@pytest.mark.parametrize(("call_kwargs", "expected_s"), [
+    pytest.param({}, 77, id="framework-passes-nothing"),
+    pytest.param({"timeout": datetime.timedelta(seconds=55)}, 55, id="caller-argument-wins"),
+])
+def test_collectives_init_kwargs_reach_init_process_group_as_defaults(call_kwargs, expected_s):
+    plugin = PassesInitArguments({"timeout": datetime.timedelta(seconds=77)})
+    with activated_on(plugin) as active:
+        assert active.integrations["torch.distributed"] == "applied (timeout)"
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, **call_kwargs)
+        try:
+            assert _default_group_timeout() == datetime.timedelta(seconds=expected_s)
+        finally:
+            dist.destroy_process_group()
+    assert not REGISTRY.is_applied("torch.distributed")  # reverted with the session
+
+
+def test_collectives_init_kwargs_go_only_to_calls_that_choose_the_plugins_backend_or_none():
+    from devshim_core.integrations.torch_distributed import _with_plugin_kwargs
+
+    calls: list[tuple[tuple, dict]] = []
+    with activated_on(PassesInitArguments({"timeout": 77})) as active:
+        wrapped = _with_plugin_kwargs(lambda *args, **kwargs: calls.append((args, kwargs)), active.device)
+        wrapped("GLOO")  # the plugin's backend, any spelling
+        wrapped()  # none: torch picks the device's
+        wrapped(backend="gloo", rank=0)
+        wrapped("nccl")  # another backend: untouched
+        wrapped(backend="mpi")
+    assert calls == [(("GLOO",), {"timeout": 77}), ((None,), {"timeout": 77}),
+                     (("gloo",), {"rank": 0, "timeout": 77}), (("nccl",), {}), (("mpi",), {})]
+
+
+def test_a_plugin_without_init_kwargs_leaves_init_process_group_alone():
+    with activated_on(FakePlugin(priority=1)) as active:
+        assert "torch.distributed" not in active.integrations
+        assert dist.init_process_group is dist.distributed_c10d.init_process_group
+        assert not hasattr(dist.init_process_group, "__devshim_original__")
 
 
 # -- last: nothing above compiled anything -------------------------------------------------------------------------

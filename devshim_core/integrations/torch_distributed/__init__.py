@@ -22,11 +22,10 @@ def _with_plugin_kwargs(original: Callable[..., Any], device: Device) -> Callabl
 
     @functools.wraps(original)
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
-        chosen = kwargs.get("backend", backend)
-        if chosen is None or str(chosen).lower() == spec.backend:
+        if backend is None or str(backend).lower() == spec.backend:
             for key, value in spec.init_kwargs.items():
                 kwargs.setdefault(key, value)
-        return original(backend, *args, **kwargs) if "backend" not in kwargs else original(*args, **kwargs)
+        return original(backend, *args, **kwargs)
 
     init_process_group.__devshim_original__ = original  # type: ignore[attr-defined]
     return init_process_group
