@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from devshim_core.distributions import installed_version
-from devshim_core.errors import DevshimError
+from devshim_core.errors import ConfigError, DevshimError
 from devshim_core.patching import REGISTRY
 from devshim_core.plugins import discover
 from devshim_core.selection import select
@@ -48,6 +48,8 @@ def info_report() -> dict[str, Any]:
     report: dict[str, Any] = {"versions": _versions()}
     try:
         session = activate()
+    except ConfigError:
+        raise  # a setting the user must change (or a tool emulation needs): say so alone, exit status 2
     except DevshimError as exc:
         report.update(plugins_report())
         report.update({"selected": None, "reason": str(exc), "error": str(exc)})

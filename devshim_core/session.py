@@ -67,10 +67,10 @@ def activate(environ: Mapping[str, str] | None = None, extra_plugins: Any = ()) 
         if _active is not None:
             return _active
         settings = Settings.from_env(environ)
-        if settings.emulate:  # the simulated SDK must be importable before the plugins look for it
-            from devshim_core.emulation import install_sdk
+        if settings.emulate:  # the device must be up before the plugins look for it
+            from devshim_core.emulation import bring_up
 
-            install_sdk(settings.emulate)
+            bring_up(settings.emulate)
         registry = discover(settings, extra_plugins)
         selection = select(registry, settings)
         device = build_device(registry, selection)

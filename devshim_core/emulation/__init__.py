@@ -90,6 +90,14 @@ class _SimulatedSdkFinder(importlib.abc.MetaPathFinder):
             yield self.distribution
 
 
+def bring_up(vendor: str) -> Any:
+    """Install ``vendor``'s simulated SDK and import it, which brings the emulated device up (building the
+    emulator on a machine's first use). A build failure raises here, where it is the user's to fix, instead
+    of reading as a broken vendor install in the plugin's detection."""
+    install_sdk(vendor)
+    return importlib.import_module(_SDKS[vendor][0])
+
+
 def visible_device_count(variable: str) -> int:
     """How many emulated devices this process sees: ``DEVSHIM_EMULATE_DEVICES`` (default 8), narrowed by the
     vendor's visible-devices variable as the real runtime narrows it."""

@@ -91,11 +91,15 @@ def _import_library(path: Path, name: str) -> ModuleType:
     return module
 
 
-def _compile(directory: Path, name: str) -> None:
+def _require_build_tools() -> None:
     missing = missing_build_tools()
     if missing:
         raise EmulationBuildError("devshim's device emulation compiles a small C++ extension once per machine, and "
                                   f"this machine lacks: {'; '.join(missing)}. Nothing was built; emulation stays off.")
+
+
+def _compile(directory: Path, name: str) -> None:
+    _require_build_tools()
     from torch.utils.cpp_extension import load
 
     env_before = os.environ.get("MAX_JOBS")
@@ -118,6 +122,7 @@ def load_extension() -> ModuleType:
     name, directory = module_name(), build_directory()
     library = _built_library(directory, name)
     if library is None:
+        _require_build_tools()  # before the build directory and its lock exist: a refused build leaves nothing
         with _locked(directory):
             library = _built_library(directory, name)
             if library is None:

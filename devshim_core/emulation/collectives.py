@@ -6,7 +6,9 @@ refuse: a CPU tensor, or a tensor of another device type. A :class:`VendorRules`
 library lacks and how its own adaptor papers over it (Sophgo narrows dtypes and has no all-gather into
 one tensor).
 
-Every operation completes before it returns (the device is synchronous); the returned ``Work`` is done.
+Every collective completes before it returns (the device is synchronous); the returned ``Work`` is done.
+Point-to-point operations return gloo's pending ``Work``, as the vendor's isend/irecv do: a rank posts
+its sends and receives before waiting on any of them.
 """
 
 from __future__ import annotations
@@ -247,13 +249,16 @@ class EmulatedProcessGroup(dist.ProcessGroup):
                 self._gloo.send([hosts_in[peer].contiguous()], peer, 0).wait()
         return _done(outputs)
 
+    # point-to-point returns gloo's pending work: isend and irecv must both be posted before either can finish
+    # (batch_isend_irecv, pipeline exchanges), and gloo writes the received data straight into device memory
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        self._gloo.send(self._host(tensors, "send"), dst, tag).wait()
-        return _done(tensors)
+        return self._gloo.send(self._host(tensors, "send"), dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        self._gloo.recv(self._host(tensors, "recv"), src, tag).wait()
-        return _done(tensors)
+        return self._gloo.recv(self._host(tensors, "recv"), src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
+        return self._gloo.recv_anysource(self._host(tensors, "recv"), tag)
 
     def barrier(self, opts: Any = None) -> Any:
         self._gloo.barrier(dist.BarrierOptions()).wait()

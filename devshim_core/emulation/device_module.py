@@ -156,15 +156,21 @@ class EmulatedDeviceModule(ModuleType):
 
     @contextlib.contextmanager
     def stream(self, stream: Any) -> Iterator[Any]:
+        """Make ``stream`` current for the block, as ``torch.cuda.stream``: setting a stream of another device
+        also makes that device current, so on exit both the streams and the current device are restored."""
         if stream is None:
             yield None
             return
-        previous = self.current_stream(stream.device)
+        device = self.current_device()
+        previous_there = self.current_stream(stream.device)
+        previous_here = self.current_stream(device)
         torch.accelerator.set_stream(stream)
         try:
             yield stream
         finally:
-            torch.accelerator.set_stream(previous)
+            torch.accelerator.set_stream(previous_there)
+            torch.accelerator.set_stream(previous_here)  # a stream of the device that was current: back on it
+            self.set_device(device)
 
     # -- RNG ----------------------------------------------------------------------------------------
     def manual_seed(self, seed: int) -> None:

@@ -12,15 +12,12 @@ Nothing happens unless emulation is asked for.
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
 import pytest
 
 from devshim_core import emulation
-
-SDK_MODULES = {"ascend": "torch_npu", "sophgo": "torch_tpu"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -38,8 +35,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if vendor is None:
         return
     os.environ[emulation.EMULATE_ENV] = vendor  # launched jobs emulate the same vendor
-    emulation.install_sdk(vendor)
-    importlib.import_module(SDK_MODULES[vendor])  # builds (once per machine) and brings up the device
+    emulation.bring_up(vendor)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -282,6 +282,7 @@ std::atomic<StreamId> g_next_stream{kPoolSize + 1};
 struct Event {
   std::chrono::steady_clock::time_point when;
   bool recorded = false;
+  bool timed = false;  // created with enable_timing=True (torch passes BACKEND_DEFAULT for that)
   StreamId stream = 0;
 };
 
@@ -326,8 +327,11 @@ struct GuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
   DeviceIndex deviceCount() const noexcept override { return device_count(); }
 
-  void record(void** event, const c10::Stream& stream, const DeviceIndex, const c10::EventFlag) const override {
-    if (*event == nullptr) *event = new Event();
+  void record(void** event, const c10::Stream& stream, const DeviceIndex, const c10::EventFlag flag) const override {
+    if (*event == nullptr) {
+      *event = new Event();
+      static_cast<Event*>(*event)->timed = flag == c10::EventFlag::BACKEND_DEFAULT;
+    }
     auto* e = static_cast<Event*>(*event);
     e->when = std::chrono::steady_clock::now();
     e->recorded = true;
@@ -346,6 +350,7 @@ struct GuardImpl final : public c10::impl::DeviceGuardImplInterface {
     auto* b = static_cast<Event*>(end);
     TORCH_CHECK(a != nullptr && b != nullptr && a->recorded && b->recorded,
                 "both events must be recorded before elapsed_time() is asked");
+    TORCH_CHECK(a->timed && b->timed, "Both events must be created with argument 'enable_timing=True'.");
     return std::chrono::duration<double, std::milli>(b->when - a->when).count();
   }
   c10::DeviceCapability getDeviceCapability(c10::Device) const override { return c10::DeviceCapability(); }

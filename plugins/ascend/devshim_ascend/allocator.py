@@ -8,7 +8,7 @@ _KEYS = {
     "expandable_segments": "True or False",
     "max_split_size_mb": "a size in MB greater than 20",
     "garbage_collection_threshold": "a fraction strictly between 0 and 1",
-    "base_addr_aligned_kb": "an alignment in KB (16 or more, a multiple of 16)",
+    "base_addr_aligned_kb": "an alignment in KB, an integer from 0 to 16 (16 by default; 0 means 512 bytes)",
     "page_size": "'1g' for huge pages",
 }
 
@@ -35,8 +35,8 @@ def validate_config(value: str) -> None:
         "expandable_segments": lambda v: v in ("True", "False"),
         "max_split_size_mb": lambda v: v.isdigit() and int(v) > 20,
         "garbage_collection_threshold": lambda v: _fraction(v),
-        "base_addr_aligned_kb": lambda v: v.isdigit() and int(v) >= 16 and int(v) % 16 == 0,
-        "page_size": lambda v: v.lower() == "1g",
+        "base_addr_aligned_kb": lambda v: v.isdigit() and int(v) <= 16,
+        "page_size": lambda v: v == "1g",  # torch_npu compares exactly: "1G" is refused
     }
     for key, setting in settings.items():
         if not checks[key](setting):

@@ -1,7 +1,9 @@
 """The rules of ``PYTORCH_TPU_ALLOC_CONF``, checked before training starts rather than at the first allocation.
 
 Sophgo documents the variable but not its keys; devshim accepts the caching-allocator keys PyTorch's own
-allocators read and refuses malformed settings and the one combination every such allocator refuses.
+allocators read, with the values PyTorch's parser accepts for them (``roundup_power2_divisions`` also in its
+list form, ``[64:8,256:4,>:1]``), and refuses malformed settings and the one combination every such allocator
+refuses.
 """
 
 from __future__ import annotations
@@ -10,19 +12,75 @@ CONFIG_ENV = "PYTORCH_TPU_ALLOC_CONF"
 _KEYS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions")
 
 
+def _items(value: str) -> list[str]:
+    """The comma-separated ``key:value`` items, a bracketed list staying one value (``[64:8,>:1]``)."""
+    items, current, depth = [], [], 0
+    for char in value:
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"{value!r} closes a ']' it never opened")
+        if char == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if depth:
+        raise ValueError(f"{value!r} opens a '[' it never closes")
+    items.append("".join(current))
+    return [item.strip() for item in items if item.strip()]
+
+
+def _power_of_two(text: str, zero: bool = False) -> bool:
+    if not text.isdigit():
+        return False
+    number = int(text)
+    return (number == 0 and zero) or (number > 0 and number & (number - 1) == 0)
+
+
+def _fraction(text: str) -> bool:
+    try:
+        return 0.0 < float(text) < 1.0
+    except ValueError:
+        return False
+
+
+def _roundup(text: str) -> bool:
+    """A power of two, or ``[interval:divisions,...]`` with power-of-two intervals (``>`` for the rest) and
+    divisions that are powers of two or 0 (PyTorch's ``roundup_power2_divisions``)."""
+    if not (text.startswith("[") and text.endswith("]")):
+        return _power_of_two(text)
+    entries = [entry.strip() for entry in text[1:-1].split(",")]
+    for entry in entries:
+        interval, sep, divisions = (part.strip() for part in entry.partition(":"))
+        if not sep or not (interval == ">" or _power_of_two(interval)) or not _power_of_two(divisions, zero=True):
+            return False
+    return bool(entries)
+
+
+_VALUES = {
+    "expandable_segments": (lambda v: v in ("True", "False"), "True or False"),
+    "max_split_size_mb": (lambda v: v.isdigit() and int(v) > 20, "a size in MB greater than 20"),
+    "garbage_collection_threshold": (_fraction, "a fraction strictly between 0 and 1"),
+    "roundup_power2_divisions": (_roundup, "a power of 2, or a list such as [64:8,256:4,>:1] of power-of-2 "
+                                           "sizes in MB (> for the rest) to powers of 2 (or 0)"),
+}
+
+
 def validate_config(value: str) -> None:
     settings: dict[str, str] = {}
-    for item in (part.strip() for part in value.split(",")):
-        if not item:
-            continue
+    for item in _items(value):
         key, sep, setting = item.partition(":")
         if not sep or not setting.strip():
             raise ValueError(f"{item!r} is not key:value (e.g. max_split_size_mb:128)")
         if key.strip() not in _KEYS:
             raise ValueError(f"unknown key {key.strip()!r}; expected one of {', '.join(_KEYS)}")
         settings[key.strip()] = setting.strip()
-    if "max_split_size_mb" in settings and not (settings["max_split_size_mb"].isdigit()
-                                                and int(settings["max_split_size_mb"]) > 20):
-        raise ValueError("max_split_size_mb takes a size in MB greater than 20")
+    for key, setting in settings.items():
+        valid, takes = _VALUES[key]
+        if not valid(setting):
+            raise ValueError(f"{key}:{setting} is invalid: {key} takes {takes}")
     if settings.get("expandable_segments") == "True" and "max_split_size_mb" in settings:
         raise ValueError("expandable_segments:True cannot be combined with max_split_size_mb; drop one of them")

@@ -17,6 +17,33 @@ npu = emulation.enable_device("npu", device_count=emulation.visible_device_count
                               device_name="Ascend910B2 (devshim emulation)")
 register_backend(VendorRules(backend="hccl", device_type="npu"), emulation.host_alias)
 
+
+class _LegacyTensorType(type):
+    """Huawei's ``torch.npu.FloatTensor`` & co. (legacy tensor types, bound by torch_npu's C++ like
+    ``torch.cuda.FloatTensor``): calling one makes a tensor of its dtype on the current npu device, from data
+    (``IntTensor([0])``) or sizes (``FloatTensor(2, 3)``); ``isinstance`` matches npu tensors of its dtype."""
+
+    dtype: torch.dtype
+
+    def __call__(cls, *args):
+        device = torch.device("npu", npu.current_device())
+        if len(args) == 1 and isinstance(args[0], torch.Size):
+            args = tuple(args[0])
+        elif len(args) == 1 and not isinstance(args[0], int):
+            return torch.tensor(args[0], dtype=cls.dtype, device=device)
+        return torch.empty(args or (0,), dtype=cls.dtype, device=device)
+
+    def __instancecheck__(cls, instance):
+        return isinstance(instance, torch.Tensor) and instance.device.type == "npu" and instance.dtype == cls.dtype
+
+
+for _name, _dtype in (("BoolTensor", torch.bool), ("ByteTensor", torch.uint8), ("CharTensor", torch.int8),
+                      ("DoubleTensor", torch.float64), ("FloatTensor", torch.float32), ("HalfTensor", torch.float16),
+                      ("IntTensor", torch.int32), ("LongTensor", torch.int64), ("ShortTensor", torch.int16),
+                      ("BFloat16Tensor", torch.bfloat16)):
+    setattr(npu, _name, _LegacyTensorType(_name, (), {"dtype": _dtype, "__module__": "torch.npu"}))
+del _name, _dtype
+
 from torch_npu import _ops, optim  # noqa: E402  (the device must exist before its ops register)
 from torch_npu._ops import (  # noqa: E402
     npu_apply_adam_w,
