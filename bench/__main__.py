@@ -16,7 +16,7 @@ import torch
 
 from bench.common import Comparison, Note, Result
 
-MODULES = ("host_adam", "attention", "fused_ops", "import_cost", "end_to_end")
+MODULES = ("host_adam", "attention", "fused_ops", "import_cost", "end_to_end", "vendor_peer")
 DEFAULT_OUTPUT = pathlib.Path(__file__).resolve().parent / "results.json"
 
 
@@ -40,7 +40,7 @@ def _seconds(value: float) -> str:
 
 def _line(result: Result) -> str:
     if isinstance(result, Comparison):
-        verdict = "met" if result.met else "MISSED"
+        verdict = "met" if result.met else getattr(result, "verdict", "missed").replace("missed", "MISSED")
         return (f"{result.group:<11} {result.case:<44} {result.subject[:26]:<26} {_seconds(result.subject_seconds):>10}"
                 f"  {result.peer[:30]:<30} {_seconds(result.peer_seconds):>10}  {result.ratio:6.3f}×  "
                 f"{result.target:<24} {verdict}")

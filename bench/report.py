@@ -23,9 +23,9 @@ def render(document: dict) -> str:
     for group in groups:
         lines += [f"### {group}", "", "| case | devshim | peer | ratio | target | met |", "|---|---|---|---|---|---|"]
         for r in (r for r in document["comparisons"] if r["group"] == group):
+            met = "yes" if r["met"] else ("inconclusive" if r.get("verdict") == "inconclusive" else "**no**")
             lines.append(f"| {r['case']} | {r['subject']}: {_seconds(r['subject_seconds'])} | {r['peer']}: "
-                         f"{_seconds(r['peer_seconds'])} | {r['ratio']:.3f}× | {r['target']} | "
-                         f"{'yes' if r['met'] else '**no**'} |")
+                         f"{_seconds(r['peer_seconds'])} | {r['ratio']:.3f}× | {r['target']} | {met} |")
         notes = [n for n in document["notes"] if n["group"] == group]
         for n in notes:
             met = "" if n["met"] is None else ("yes" if n["met"] else "**no**")
