@@ -6,7 +6,8 @@ refuse: a CPU tensor, or a tensor of another device type. A :class:`VendorRules`
 library lacks and how its own adaptor papers over it (Sophgo narrows dtypes and has no all-gather into
 one tensor).
 
-Every collective completes before it returns (the device is synchronous); the returned ``Work`` is done.
+Every collective runs after the current stream's queued copies (the host aliases wait for them, as a vendor
+library's stream waits on the current one) and completes before it returns; the returned ``Work`` is done.
 Point-to-point operations return gloo's pending ``Work``, as the vendor's isend/irecv do: a rank posts
 its sends and receives before waiting on any of them.
 """

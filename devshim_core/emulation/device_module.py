@@ -2,8 +2,8 @@
 
 A vendor SDK registers a module like this one as ``torch.npu`` / ``torch.tpu``; the simulated SDKs register
 this one. Streams and events are torch's generic ``torch.Stream`` / ``torch.Event`` on the emulator's
-device guard (execution is synchronous, so every wait is already satisfied, but stream identity, the
-current stream and event timing are real).
+device guard: stream identity, the current stream and event timing are real; kernels run when called, and
+copies issued on a side stream land only when something waits for that stream.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ class EmulatedDeviceModule(ModuleType):
             self._ext.set_device(index)
 
     def synchronize(self, device: Any = None) -> None:
-        return None  # the emulator has finished every kernel when its call returns
+        """Wait for the device: kernels have finished already; copies queued on its side streams land now."""
+        self._ext.synchronize(_index(device, self.current_device()))
 
     def get_device_name(self, device: Any = None) -> str:
         return self._device_name
@@ -234,6 +235,10 @@ class EmulatedDeviceModule(ModuleType):
         self._memory_fraction[_index(device, self.current_device())] = fraction
 
     # -- emulator introspection (not part of a vendor API) ------------------------------------------
+    def pending_copies(self) -> int:
+        """Copies issued on side streams that no wait has published yet (all devices)."""
+        return self._ext.pending_copies()
+
     def fallback_calls(self) -> int:
         """How many ops ran on CPU kernels through the fallback so far (all of them but the structural ones)."""
         return self._ext.fallback_calls()

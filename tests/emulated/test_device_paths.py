@@ -204,12 +204,10 @@ def test_a_stream_of_another_device_is_current_there_inside_the_context_and_ever
 
 
 def test_cross_stream_waits_and_event_timing(dev):
-    """The emulator executes every kernel before the call returns, whatever stream is current: work is never
-    pending, so ordering hazards between streams (a missing ``wait_stream``) cannot be observed here, and every
-    wait is already satisfied. What is asserted instead: the synchronisation API runs on the vendor's stream and
-    event types without error (``wait_stream``, ``record_event``, ``Event.wait``, ``wait_event``, ``query``,
-    ``synchronize``), results computed on a side stream are right, and event timing is real host time between
-    records: positive, monotonic, and at least a sleep taken between two records."""
+    """The synchronisation API runs on the vendor's stream and event types (``wait_stream``, ``record_event``,
+    ``Event.wait``, ``wait_event``, ``query``, ``synchronize``), results computed on a side stream are right once
+    waited for, and event timing is real host time between records: positive, monotonic, and at least a sleep
+    taken between two records. (Kernels run when called; only copies are held back, see the next spec.)"""
     start, middle, end = (dev.Event(enable_timing=True) for _ in range(3))
     main = dev.current_stream()
     side = dev.Stream()
@@ -232,6 +230,43 @@ def test_cross_stream_waits_and_event_timing(dev):
     assert first >= 20.0  # milliseconds: the sleep between the two records
     assert whole >= first > 0
     assert middle.elapsed_time(end) >= 0
+
+
+def test_a_copy_issued_on_a_side_stream_is_seen_only_after_the_stream_is_waited_for(dev, mod):
+    """Copies issued on a side stream are queued there, as on the hardware, and land when the stream is
+    synchronized with: an event of it waited on, ``wait_stream``, ``Event``/stream/device ``synchronize``. A
+    reader on another stream that forgot to wait sees stale data, every time (real hardware would race). Later
+    work on the same stream sees the stream's earlier copies: a stream keeps its own order."""
+    device = dev.torch_device(0)
+    source = torch.full((4,), 7.0, device=device)
+    target = torch.zeros(4, device=device)
+    main, side = dev.current_stream(), dev.Stream()
+
+    with dev.stream(side):
+        target.copy_(source)
+    assert mod.pending_copies() == 1 and not side.query()
+    assert target.cpu().tolist() == [0.0] * 4  # read on the default stream with no wait: not there yet
+    main.wait_stream(side)
+    assert target.cpu().tolist() == [7.0] * 4 and mod.pending_copies() == 0 and side.query()
+
+    host = torch.zeros(4)
+    with dev.stream(side):
+        host.copy_(source * 2)  # device to host: the product is computed now, the host copy lands later
+        copied = side.record_event()
+    assert host.tolist() == [0.0] * 4 and not copied.query()
+    copied.wait(main)
+    assert host.tolist() == [14.0] * 4
+
+    with dev.stream(side):
+        target.copy_(torch.ones(4))
+        in_order = target + 1  # the same stream: runs after, and sees, its own earlier copy
+    side.record_event().synchronize()
+    assert in_order.cpu().tolist() == [2.0] * 4 and target.cpu().tolist() == [1.0] * 4
+
+    with dev.stream(side):
+        target.copy_(source)
+    dev.synchronize()  # the facade's synchronize is the vendor module's: the device's streams drain
+    assert target.cpu().tolist() == [7.0] * 4 and mod.pending_copies() == 0
 
 
 # -- pinned memory ---------------------------------------------------------------------------------------------------

@@ -7,7 +7,10 @@
 // kernels; every other op runs on the CPU kernels through a boxed fallback that first refuses operands
 // the real device would refuse (a CPU tensor, or a tensor on another device index).
 //
-// Execution is synchronous: a kernel has finished when the call returns, whatever stream is current.
+// Kernels run when they are called. Copies issued on a side stream are the exception: they are queued on that
+// stream and land only when the stream is synchronized with (an event of it waited on or synchronized,
+// wait_stream, stream or device synchronize) or runs further work, so a missing wait shows up as stale data,
+// deterministically, where real hardware would race.
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -25,6 +28,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <functional>
 #include <map>
 #include <string>
 #include <atomic>
@@ -283,8 +287,15 @@ struct Event {
   std::chrono::steady_clock::time_point when;
   bool recorded = false;
   bool timed = false;  // created with enable_timing=True (torch passes BACKEND_DEFAULT for that)
+  DeviceIndex device = 0;
   StreamId stream = 0;
 };
+
+// the side streams' queued copies (defined with the copy kernel below)
+void flush_stream(DeviceIndex device, StreamId stream);
+void flush_device(DeviceIndex device);
+bool stream_idle(DeviceIndex device, StreamId stream);
+void flush_current_stream(DeviceIndex device);
 
 struct GuardImpl final : public c10::impl::DeviceGuardImplInterface {
   static constexpr DeviceType static_type = DeviceType::PrivateUse1;
@@ -335,15 +346,23 @@ struct GuardImpl final : public c10::impl::DeviceGuardImplInterface {
     auto* e = static_cast<Event*>(*event);
     e->when = std::chrono::steady_clock::now();
     e->recorded = true;
+    e->device = stream.device_index();
     e->stream = stream.id();
   }
-  void block(void*, const c10::Stream&) const override {}  // the recorded work is already done
-  bool queryEvent(void*) const override { return true; }
+  // waiting on an event publishes what its stream queued before it (wait_stream records and waits one)
+  void block(void* event, const c10::Stream&) const override {
+    auto* e = static_cast<Event*>(event);
+    if (e != nullptr && e->recorded) flush_stream(e->device, e->stream);
+  }
+  bool queryEvent(void* event) const override {
+    auto* e = static_cast<Event*>(event);
+    return e == nullptr || !e->recorded || stream_idle(e->device, e->stream);
+  }
   void destroyEvent(void* event, const DeviceIndex) const noexcept override { delete static_cast<Event*>(event); }
-  void synchronizeEvent(void*) const override {}
-  bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeDevice(const DeviceIndex) const override {}
+  void synchronizeEvent(void* event) const override { block(event, c10::Stream(c10::Stream::DEFAULT, getDevice())); }
+  bool queryStream(const c10::Stream& stream) const override { return stream_idle(stream.device_index(), stream.id()); }
+  void synchronizeStream(const c10::Stream& stream) const override { flush_stream(stream.device_index(), stream.id()); }
+  void synchronizeDevice(const DeviceIndex device) const override { flush_device(device < 0 ? current_device() : device); }
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
   double elapsedTime(void* start, void* end, const DeviceIndex) const override {
     auto* a = static_cast<Event*>(start);
@@ -392,6 +411,7 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
     auto* impl = storage.unsafeGetStorageImpl();
     const DeviceIndex index = storage.device().index();
     const DeviceIndex previous = current_device();
+    flush_current_stream(index);  // the bytes kept are what the current stream sees
     set_device(index);
     at::DataPtr fresh = g_device_memory.allocate(newsize);
     set_device(previous);
@@ -454,10 +474,73 @@ at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size, c10::
   return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
 }
 
+// -- side-stream copies ----------------------------------------------------------------------------
+
+std::mutex g_pending_mutex;
+std::map<std::pair<DeviceIndex, StreamId>, std::vector<std::function<void()>>> g_pending;
+std::atomic<int64_t> g_pending_count{0};
+
+std::vector<std::function<void()>> take(DeviceIndex device, StreamId stream) {
+  std::lock_guard<std::mutex> lock(g_pending_mutex);
+  auto it = g_pending.find({device, stream});
+  if (it == g_pending.end()) return {};
+  auto work = std::move(it->second);
+  g_pending.erase(it);
+  g_pending_count -= static_cast<int64_t>(work.size());
+  return work;
+}
+
+void flush_stream(DeviceIndex device, StreamId stream) {
+  if (g_pending_count.load() == 0) return;
+  for (auto& copy : take(device, stream)) copy();
+}
+
+void flush_device(DeviceIndex device) {
+  if (g_pending_count.load() == 0) return;
+  std::vector<StreamId> streams;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mutex);
+    for (const auto& [key, work] : g_pending) {
+      if (key.first == device) streams.push_back(key.second);
+    }
+  }
+  for (auto stream : streams) flush_stream(device, stream);
+}
+
+bool stream_idle(DeviceIndex device, StreamId stream) {
+  if (g_pending_count.load() == 0) return true;
+  std::lock_guard<std::mutex> lock(g_pending_mutex);
+  return g_pending.find({device, stream}) == g_pending.end();
+}
+
+// work on a stream runs after what that stream queued before it
+void flush_current_stream(DeviceIndex device) {
+  if (g_pending_count.load() != 0) flush_stream(device, t_current_stream[device]);
+}
+
+// set while a kernel runs on the CPU through the fallback: its own copies in and out are part of the kernel
+thread_local bool t_in_kernel = false;
+
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  const DeviceIndex device = dst.is_privateuseone() ? dst.device().index() : self.device().index();
+  const StreamId stream = t_current_stream[device];
+  if (!t_in_kernel) flush_current_stream(device);
   const at::Tensor src_host = self.is_cpu() ? self : host_alias(self);
   at::Tensor dst_host = dst.is_cpu() ? dst : host_alias(dst);
-  at::native::copy_(dst_host, src_host, non_blocking);
+  if (stream == 0 || t_in_kernel) {
+    at::native::copy_(dst_host, src_host, non_blocking);
+    return dst;
+  }
+  // on a side stream the source is read now and the destination written when the stream is waited on
+  at::Tensor source = src_host.clone();
+  at::Tensor keep_dst = dst;  // the destination's memory stays alive until the copy lands
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mutex);
+    g_pending[{device, stream}].push_back([dst_host, source, keep_dst]() mutable {
+      at::native::copy_(dst_host, source, false);
+    });
+    g_pending_count++;
+  }
   return dst;
 }
 
@@ -467,6 +550,7 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 }
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
+  flush_current_stream(self.device().index());  // .item() reads after the current stream's queued work
   return at::native::_local_scalar_dense_cpu(host_alias(self));
 }
 
@@ -516,6 +600,7 @@ void check_operand(const at::Tensor& t, std::optional<c10::Device>& device, cons
 
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   g_fallback_calls.fetch_add(1, std::memory_order_relaxed);
+  flush_current_stream(current_device());
   const auto& schema = op.schema();
   const auto num_arguments = schema.arguments().size();
   std::optional<c10::Device> device;
@@ -552,7 +637,14 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       slot = c10::IValue(default_generator(index));
     }
   }
-  at::native::cpu_fallback(op, stack);
+  t_in_kernel = true;
+  try {
+    at::native::cpu_fallback(op, stack);
+  } catch (...) {
+    t_in_kernel = false;
+    throw;
+  }
+  t_in_kernel = false;
 }
 
 }  // namespace devshim_emulation
@@ -626,10 +718,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("default_generator", [](int index) { return default_generator(static_cast<DeviceIndex>(index)); });
   m.def("host_alias", [](const at::Tensor& t) {
     TORCH_CHECK(t.is_privateuseone(), "host_alias takes a tensor of the emulated device, got one on ", t.device());
+    // a reader through the alias (a collective) is work on the current stream: it sees what that stream queued
+    flush_current_stream(t.device().index());
     // the alias keeps the device storage alive for as long as the host view lives
     auto keep = t.storage();
     return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), [keep](void*) {}, t.options().device(at::kCPU));
-  }, "a CPU tensor sharing the device tensor's memory (the emulated device memory is host memory)");
+  }, "a CPU tensor sharing the device tensor's memory, after the current stream's queued copies have landed");
+  m.def("synchronize", [](int index) { flush_device(static_cast<DeviceIndex>(index)); });
+  m.def("pending_copies", [] { return g_pending_count.load(); });
   m.def("fallback_calls", [] { return g_fallback_calls.load(); });
   m.def("pinned_bytes", [] { return g_pinned_memory.pinned_bytes(); });
   m.def("memory_info", [](int index) { return g_device_memory.getMemoryInfo(static_cast<DeviceIndex>(index)); });
