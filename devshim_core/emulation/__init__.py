@@ -34,7 +34,6 @@ SDK_PATH = Path(__file__).with_name("sdk")
 EMULATE_ENV = "DEVSHIM_EMULATE"
 DEVICES_ENV = "DEVSHIM_EMULATE_DEVICES"
 DEFAULT_DEVICES = 8  # one node's worth, as on an 8-NPU Atlas server
-BANNER = "EMULATED"
 
 _enabled: Any = None
 

@@ -99,7 +99,6 @@ def _require_build_tools() -> None:
 
 
 def _compile(directory: Path, name: str) -> None:
-    _require_build_tools()
     from torch.utils.cpp_extension import load
 
     env_before = os.environ.get("MAX_JOBS")

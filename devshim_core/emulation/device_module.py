@@ -9,7 +9,6 @@ copies issued on a side stream land only when something waits for that stream.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -94,7 +93,6 @@ class EmulatedDeviceModule(ModuleType):
                 module.set_device(self.previous)
 
         self.Stream, self.Event, self.device = Stream, Event, device
-        self._stream_lock = threading.Lock()
 
     # -- device ---------------------------------------------------------------------------------
     def is_available(self) -> bool:

@@ -41,7 +41,7 @@ from typing import Any
 import pytest
 
 from .launch import Job, assert_loss_fell, run_job
-from .platforms import ALL, Platform, build_emulator
+from .platforms import ALL, CPU, Platform, build_emulator
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("deepspeed", reason="the end-to-end runs need the deepspeed extra")
@@ -76,8 +76,6 @@ def assert_matches_cpu(platform: Platform, args: list[str], losses: list[float],
         return
     key = tuple(args)
     if key not in _cpu_losses:  # the CPU variant was deselected: run it for the reference
-        from .platforms import CPU
-
         train(CPU, args, workdir / "cpu-reference").report()
     rtol = EMULATED_LOSS_RTOL_HALF if ("--bf16" in args or "--fp16" in args) else EMULATED_LOSS_RTOL
     reference = _cpu_losses[key]
