@@ -1,4 +1,5 @@
-"""``devshim info`` and ``devshim plugins``: what was detected, what was chosen and why, what was patched."""
+"""``devshim info`` and ``devshim plugins``: what was detected, what was chosen and why, what was patched.
+``devshim check``: which CUDA-only constructs of a script the redirect serves, and what the user must change."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import platform
 import sys
 from typing import Any
 
+from devshim_core import cuda_check
+from devshim_core.cuda_check import report as check_report
 from devshim_core.distributions import installed_version
 from devshim_core.errors import ConfigError, DevshimError
 from devshim_core.patching import REGISTRY
@@ -117,6 +120,17 @@ def _print_info(report: dict[str, Any]) -> None:
         print(f"      why: {p['reason']}")
 
 
+def check(paths: list[str], as_json: bool) -> int:
+    """Scan without activating: 0 everything runs, 1 something cannot run, 2 a path could not be checked."""
+    result = cuda_check.check_paths(paths, cuda_check.find_target())
+    if as_json:
+        check_report.render_json(result)
+    else:
+        check_report.render_text(result)
+    check_report.render_errors(result)
+    return result.exit_status
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="devshim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                             ("plugins", "list the installed plugins and which one would be selected")):
         command = sub.add_parser(name, help=help_text)
         command.add_argument("--json", action="store_true", help="machine-readable output")
+    command = sub.add_parser("check", help="list a script's CUDA-only constructs: redirected, or what to change")
+    command.add_argument("paths", nargs="+", metavar="PATH", help="Python files, or directories scanned for *.py")
+    command.add_argument("--json", action="store_true", help="the findings as a JSON list")
     args = parser.parse_args(argv)
     try:
+        if args.command == "check":
+            return check(args.paths, args.json)
         report = info_report() if args.command == "info" else plugins_report()
     except DevshimError as exc:  # configuration errors: say what to fix, no traceback
         print(f"devshim: {exc}", file=sys.stderr)

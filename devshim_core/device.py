@@ -128,7 +128,8 @@ class Device:
             "optimizer_kernels": {k: getattr(optimizer, k) is not None
                                   for k in ("fused_adamw", "host_adam_step", "host_adam_rollback")},
             "attention_kernels": {k: getattr(attention, k) is not None
-                                  for k in ("attention", "rms_norm", "swiglu", "rotary")},
+                                  for k in ("attention", "rms_norm", "swiglu", "rotary", "masked_softmax",
+                                            "wgrad_accumulate")},
             "kernel_sources": {"optimizer": optimizer.source, "attention": attention.source},
         }
 

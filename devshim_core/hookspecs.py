@@ -142,13 +142,19 @@ def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels | None:
 
 @hookspec(firstresult=True)
 def devshim_attention_kernels(report: DeviceReport) -> AttentionKernels | None:
-    """Provide attention and the fused ops that ride with it (rms_norm, swiglu, rotary), with
-    PyTorch's conventions at the boundary: a vendor whose mask polarity, default scale or return
-    shape differ converts inside the plugin, never in the caller.
+    """Provide attention and the fused ops that ride with it (rms_norm, swiglu, rotary, masked_softmax,
+    wgrad_accumulate), with the conventions :class:`~devshim_core.records.AttentionKernels` states at the
+    boundary: a vendor whose mask polarity, default scale or return shape differ converts inside the plugin,
+    never in the caller.
 
-    Return: an :class:`AttentionKernels`; any field may be ``None``. This devshim version reports them
-    (``devshim info``) but no framework integration calls them yet: DeepSpeed keeps its own attention and
-    fused ops whatever the answer.
+    Return: an :class:`AttentionKernels`; any field may be ``None``. ``devshim info`` reports them, and
+    devshim's Megatron integration calls them in place of Megatron's CUDA-only and unfused paths: ``attention``
+    in ``DotProductAttention``, ``rms_norm`` in the local spec's norm, ``swiglu`` in the bias-SwiGLU fusion,
+    ``rotary`` for rotary embeddings (fused and unfused), ``masked_softmax`` in ``FusedScaleMaskSoftmax`` and
+    ``wgrad_accumulate`` for ``gradient_accumulation_fusion``. An op that is ``None`` leaves Megatron's own path
+    in place (``gradient_accumulation_fusion`` then fails with an error naming the flag), and so does a call the
+    op cannot serve as Megatron would (e.g. attention with a bias, packed sequences or a sliding window).
+    DeepSpeed keeps its own attention and fused ops whatever the answer.
     """
 
 

@@ -10,11 +10,12 @@ whole set. Declaring a patch changes nothing; only :meth:`PatchRegistry.apply` d
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import re
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -164,12 +165,99 @@ class SetAttribute(Patch):
 
 
 @dataclass(frozen=True)
+class SetAttributes(Patch):
+    """Replace several attributes of one object at once: ``make(originals, device)`` receives
+    ``{name: original or None}`` for ``names`` and returns ``{name: replacement}`` (a name it leaves out is
+    not touched). One patch, one report row: ``torch.cuda`` gets forty names from one source of truth."""
+
+    name: str
+    target: str  # 'package.module' or 'package.module:Class'
+    names: tuple[str, ...]
+    make: Callable[[dict[str, Any], Device], dict[str, Any]]
+    reason: str
+    requires: tuple[Requirement, ...] = ()
+
+    def target_description(self) -> str:
+        return f"{self.target.replace(':', '.')}.{{{', '.join(sorted(self.names))}}}"
+
+    def apply(self, device: Device) -> tuple[Undo, str]:
+        module_name, _, path = self.target.partition(":")
+        owner: Any = importlib.import_module(module_name)
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part)
+        own = owner.__dict__ if isinstance(owner, type) else vars(owner)
+        originals = {n: own.get(n, getattr(owner, n, None) if isinstance(owner, type) else None) for n in self.names}
+        saved = {n: own.get(n, _MISSING) for n in self.names}
+        replacements = self.make(originals, device)
+        for attr, value in replacements.items():
+            setattr(owner, attr, value)
+
+        def undo() -> None:
+            for attr in replacements:
+                if saved[attr] is _MISSING:
+                    if attr in owner.__dict__:
+                        delattr(owner, attr)
+                else:
+                    setattr(owner, attr, saved[attr])
+
+        return undo, f"{len(replacements)} of {len(self.names)} names set"
+
+
+class _BlockingFinder(importlib.abc.MetaPathFinder):
+    """Make ``import name`` fail as "not installed" (ModuleNotFoundError), with a reason."""
+
+    def __init__(self, names: dict[str, str]) -> None:
+        self.names = names
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        reason = self.names.get(fullname.partition(".")[0])
+        if reason is not None:
+            raise ModuleNotFoundError(f"No module named {fullname!r} ({reason})", name=fullname)
+        return None
+
+
+@dataclass(frozen=True)
+class ProvideModules(Patch):
+    """Put stand-in modules into ``sys.modules`` and make others unimportable, before a framework imports them.
+
+    ``modules(device)`` returns ``{name: module}`` (a name already imported is left alone); ``blocked`` maps
+    top-level module names to why they cannot work here: importing one raises ModuleNotFoundError, which
+    frameworks already catch to take their fallback, instead of a CUDA error or a crash later.
+    """
+
+    name: str
+    modules: Callable[[Device], dict[str, Any]]
+    blocked: Mapping[str, str]
+    reason: str
+    requires: tuple[Requirement, ...] = ()
+
+    def target_description(self) -> str:
+        return f"sys.modules: {', '.join(sorted(self.blocked))} blocked" if self.blocked else "sys.modules"
+
+    def apply(self, device: Device) -> tuple[Undo, str]:
+        provided = {n: m for n, m in self.modules(device).items() if n not in sys.modules}
+        sys.modules.update(provided)
+        finder = _BlockingFinder(dict(self.blocked))
+        sys.meta_path.insert(0, finder)
+
+        def undo() -> None:
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+            for name, module in provided.items():
+                if sys.modules.get(name) is module:
+                    del sys.modules[name]
+
+        return undo, f"provided {', '.join(sorted(provided)) or 'nothing'}; {len(self.blocked)} blocked"
+
+
+@dataclass(frozen=True)
 class RebindReferences(Patch):
     """Find module-level names under ``scope`` that *are* (by identity) an old object and point them at its
     replacement: ``from x import f`` copies and aliases survive a plain attribute patch otherwise.
 
     ``pairs(device)`` returns the (old, new) objects; modules are scanned with ``vars()`` (never
-    ``getattr``: module ``__getattr__`` hooks have side effects).
+    ``getattr``: module ``__getattr__`` hooks have side effects). ``scope`` is a package name, or ``"*"`` for
+    every loaded module outside ``exclude`` (package names).
     """
 
     name: str
@@ -177,9 +265,15 @@ class RebindReferences(Patch):
     pairs: Callable[[Device], Iterable[tuple[Any, Any]]]
     reason: str
     requires: tuple[Requirement, ...] = ()
+    exclude: tuple[str, ...] = ()
 
     def target_description(self) -> str:
-        return f"{self.scope}.* (stale references)"
+        return f"{self.scope}.* (stale references)" if self.scope != "*" else "every loaded module (stale references)"
+
+    def _in_scope(self, module_name: str) -> bool:
+        if any(module_name == e or module_name.startswith(e + ".") for e in self.exclude):
+            return False
+        return self.scope == "*" or module_name == self.scope or module_name.startswith(self.scope + ".")
 
     def apply(self, device: Device) -> tuple[Undo, str]:
         # values that are not unique objects (None, small ints, interned strings) cannot be matched by identity
@@ -187,11 +281,13 @@ class RebindReferences(Patch):
                    if old is not new and old is not None and not isinstance(old, (bool, int, float, str, bytes))}
         done: list[tuple[Any, str, Any]] = []
         if mapping:
-            prefix = self.scope + "."
             for module_name, module in list(sys.modules.items()):
-                if module is None or not (module_name == self.scope or module_name.startswith(prefix)):
+                if module is None or not self._in_scope(module_name):
                     continue
-                namespace = vars(module)
+                try:
+                    namespace = vars(module)
+                except TypeError:  # sys.modules may hold objects without a namespace
+                    continue
                 for key, value in list(namespace.items()):
                     hit = mapping.get(id(value))
                     if hit is not None and hit[0] is value:

@@ -254,6 +254,16 @@ class AttentionKernels:
     - ``rotary(x, cos, sin, *, interleaved=False) -> Tensor``: ``cos``/``sin`` broadcast against ``x`` as
       Megatron ([S,1,1,D]) and the vendors ([1,S,1,D], [1,1,S,D]) pass them; only the first
       ``cos.shape[-1]`` channels rotate.
+    - ``masked_softmax(scores, mask, scale, *, causal=False) -> Tensor``: ``softmax(scores * scale)`` over the
+      last dimension of [b, np, sq, sk] scores, masked positions filled with -10000.0 after scaling (Megatron's
+      fill, fused and unfused); ``mask`` boolean with ``True`` = masked (Megatron's convention), broadcastable to
+      the scores, or ``None``; ``causal`` also masks the upper triangle (key j > query i). A row with every
+      position masked is zeros (as Megatron's CUDA kernel). Statistics in fp32; the result has the scores' dtype.
+      Differentiable in ``scores``.
+    - ``wgrad_accumulate(total_input, grad_output, main_grad) -> None``: ``main_grad += grad_output^T @
+      total_input`` in place, leading dimensions flattened ([..., in], [..., out] -> [out, in]), products summed
+      in fp32 and rounded once to ``main_grad``'s dtype (fp32, fp16 or bf16), as Megatron's gradient-accumulation
+      fusion.
 
     ``devshim_kernels`` implements every op with these semantics; a vendor plugin may answer some ops with
     its SDK and the rest with ``devshim_kernels``' (op by op), and tests compare a vendor op against it.
@@ -263,4 +273,6 @@ class AttentionKernels:
     rms_norm: Callable[..., Any] | None = None
     swiglu: Callable[..., Any] | None = None
     rotary: Callable[..., Any] | None = None
+    masked_softmax: Callable[..., Any] | None = None
+    wgrad_accumulate: Callable[..., None] | None = None
     source: str = ""

@@ -43,6 +43,16 @@ def _install_integrations(session: Session) -> None:
         applied = REGISTRY.apply(patch_set(device), device)
         session.integrations[applied.patch_set.name] = f"applied ({', '.join(device.collectives.init_kwargs)})"
 
+    if device.type == "cuda":
+        session.integrations["cuda-redirect"] = "skipped: the selected device is CUDA"
+    elif not settings.redirect_cuda:
+        session.integrations["cuda-redirect"] = "skipped: DEVSHIM_REDIRECT_CUDA=0"
+    else:
+        from devshim_core.integrations.cuda_redirect.patches import patch_set as redirect_patch_set
+
+        applied = REGISTRY.apply(redirect_patch_set(device), device)
+        session.integrations["cuda-redirect"] = f"applied ({applied.patch_set.reason})"
+
     if installed_version("deepspeed") is None or importlib.util.find_spec("deepspeed") is None:
         session.integrations["deepspeed"] = "skipped: deepspeed is not installed"
     elif not settings.patch_deepspeed:
@@ -52,12 +62,13 @@ def _install_integrations(session: Session) -> None:
 
         session.integrations["deepspeed"] = install(device)
 
-    if installed_version("megatron-core") is None:
-        session.integrations["megatron"] = "skipped: megatron-core is not installed"
-    elif not settings.patch_megatron:
+    if not settings.patch_megatron:
         session.integrations["megatron"] = "skipped: DEVSHIM_PATCH_MEGATRON=0"
     else:
-        session.integrations["megatron"] = "not integrated yet: this devshim version patches DeepSpeed only"
+        from devshim_core.integrations.megatron.install import install as install_megatron
+
+        redirect_on = REGISTRY.is_applied("cuda-redirect")
+        session.integrations["megatron"] = install_megatron(device, redirect_on)
 
 
 def activate(environ: Mapping[str, str] | None = None, extra_plugins: Any = ()) -> Session:
@@ -91,8 +102,10 @@ def current() -> Session | None:
 
 def deactivate_integrations() -> None:
     from devshim_core.integrations.deepspeed.install import uninstall
+    from devshim_core.integrations.megatron.install import uninstall as uninstall_megatron
 
     uninstall()
+    uninstall_megatron()
     REGISTRY.revert_all()
 
 

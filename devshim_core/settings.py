@@ -52,6 +52,7 @@ class Settings:
     allowlist: tuple[str, ...] = ()  # DEVSHIM_PLUGINS (with autoload off)
     patch_deepspeed: bool = True  # DEVSHIM_PATCH_DEEPSPEED
     patch_megatron: bool = True  # DEVSHIM_PATCH_MEGATRON
+    redirect_cuda: bool = True  # DEVSHIM_REDIRECT_CUDA (only ever applied when the device is not CUDA)
     emulate: str | None = None  # DEVSHIM_EMULATE: the vendor whose simulated SDK and emulated device to use
 
     @classmethod
@@ -70,6 +71,7 @@ class Settings:
             allowlist=parse_names(env, "DEVSHIM_PLUGINS"),
             patch_deepspeed=parse_bool(env, "DEVSHIM_PATCH_DEEPSPEED", True),
             patch_megatron=parse_bool(env, "DEVSHIM_PATCH_MEGATRON", True),
+            redirect_cuda=parse_bool(env, "DEVSHIM_REDIRECT_CUDA", True),
             emulate=_emulated_vendor(env),
         )
         if forced is not None and forced in settings.disabled:

@@ -22,7 +22,8 @@ COMMANDS = {
     "info --json": ([DEVSHIM_SCRIPT, "info", "--json"], clean_env()),
     "plugins --json": ([DEVSHIM_SCRIPT, "plugins", "--json"], clean_env()),
     "python -m devshim_core plugins --json": ([PYTHON, "-m", "devshim_core", "plugins", "--json"], clean_env()),
-    "info, DEVSHIM_PATCH_DEEPSPEED=0": ([DEVSHIM_SCRIPT, "info"], clean_env(DEVSHIM_PATCH_DEEPSPEED="0")),
+    "info, every integration off": ([DEVSHIM_SCRIPT, "info"], clean_env(
+        DEVSHIM_PATCH_DEEPSPEED="0", DEVSHIM_REDIRECT_CUDA="0", DEVSHIM_PATCH_MEGATRON="0")),
     "plugins, DEVSHIM_PLUGIN=nvidia": ([DEVSHIM_SCRIPT, "plugins"], clean_env(DEVSHIM_PLUGIN="nvidia")),
     "info --json, DEVSHIM_PLUGIN=nvidia": ([DEVSHIM_SCRIPT, "info", "--json"], clean_env(DEVSHIM_PLUGIN="nvidia")),
     "plugins --json, DEVSHIM_PATCH_DEEPSPEED=maybe": ([DEVSHIM_SCRIPT, "plugins", "--json"],
@@ -117,12 +118,14 @@ def test_info_says_where_the_kernels_come_from_and_which_adam_implementation_run
                        "attention": "devshim_kernels"}
 
 
-def test_info_in_text_form_with_deepspeed_patching_switched_off_says_so_and_patches_nothing(cli):
-    result = cli["info, DEVSHIM_PATCH_DEEPSPEED=0"]
+def test_info_in_text_form_with_every_integration_switched_off_says_so_and_patches_nothing(cli):
+    result = cli["info, every integration off"]
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "selected: cpu_reference\n  why: the only available plugin" in out
     assert "deepspeed      skipped: DEVSHIM_PATCH_DEEPSPEED=0" in out
+    assert "cuda-redirect  skipped: DEVSHIM_REDIRECT_CUDA=0" in out
+    assert "megatron       skipped: DEVSHIM_PATCH_MEGATRON=0" in out
     assert out.rstrip().endswith("patches:\n  none")
 
 

@@ -161,10 +161,14 @@ def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
 
 
 def attention_kernels() -> AttentionKernels:
+    # torch_npu (as emulated here) has no scaled-masked-softmax or weight-gradient-accumulation op: devshim's run
+    # on the NPU as ordinary torch ops
     return AttentionKernels(
-        attention=attention, rms_norm=rms_norm, swiglu=swiglu, rotary=rotary,
+        attention=attention, rms_norm=rms_norm, swiglu=swiglu, rotary=rotary, masked_softmax=dk.masked_softmax,
+        wgrad_accumulate=dk.wgrad_accumulate,
         source="torch_npu: npu_fusion_attention, npu_rms_norm, npu_swiglu, npu_rotary_mul; devshim_kernels for "
-               "additive masks, masked TND and dtypes/shapes the vendor ops do not take")
+               "masked_softmax, wgrad_accumulate, additive masks, masked TND and dtypes/shapes the vendor ops do "
+               "not take")
 
 
 def optimizer_kernels() -> OptimizerKernels:

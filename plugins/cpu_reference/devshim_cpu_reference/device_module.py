@@ -74,17 +74,19 @@ class CpuDeviceModule:
     def synchronize(self, device: Any = None) -> None:
         return None
 
+    # the host generator itself, never torch.manual_seed: that calls torch.cuda.manual_seed_all, which the CUDA
+    # redirect sends here, and would recurse
     def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(int(seed))
 
     def manual_seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(int(seed))
 
     def initial_seed(self) -> int:
-        return torch.initial_seed()
+        return torch.default_generator.initial_seed()
 
     def seed(self) -> int:
-        return torch.seed()
+        return torch.default_generator.seed()
 
     def get_rng_state(self, device: Any = None) -> torch.Tensor:
         return torch.get_rng_state()

@@ -104,8 +104,9 @@ def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
 def attention_kernels() -> AttentionKernels:
     return AttentionKernels(
         attention=dk.attention, rms_norm=rms_norm, swiglu=dk.swiglu, rotary=dk.rotary,
-        source="torch_tpu: my_ops.rmsnorm_forward/rmsnorm_backward; devshim_kernels: attention, swiglu, rotary "
-               "(Sophgo has no standalone op for them)")
+        masked_softmax=dk.masked_softmax, wgrad_accumulate=dk.wgrad_accumulate,
+        source="torch_tpu: my_ops.rmsnorm_forward/rmsnorm_backward; devshim_kernels: attention, swiglu, rotary, "
+               "masked_softmax, wgrad_accumulate (Sophgo has no standalone op for them)")
 
 
 def optimizer_kernels() -> OptimizerKernels:

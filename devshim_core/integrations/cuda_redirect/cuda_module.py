@@ -1,0 +1,176 @@
+"""``torch.cuda``'s functions, answered by the selected device's facade."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from devshim_core.device import Device
+from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
+
+
+class _DeviceContext:
+    """``torch.cuda.device(i)``: make ``i`` current inside the block, restore the previous one after."""
+
+    def __init__(self, facade: Device, devices: DeviceMap, spec: Any) -> None:
+        self._facade = facade
+        self._index = None if spec is None or (type(spec) is int and spec < 0) else devices.index(spec)
+        self._previous: int | None = None
+
+    def __enter__(self) -> _DeviceContext:
+        if self._index is not None:
+            self._previous = self._facade.current_device()
+            self._facade.set_device(self._index)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            self._facade.set_device(self._previous)
+
+
+def _properties(d: Device, devices: DeviceMap) -> Callable[..., Any]:
+    module_properties = getattr(d.module, "get_device_properties", None)
+
+    def get_device_properties(device: Any = None) -> Any:
+        index = devices.index(device)
+        base = module_properties(index) if module_properties is not None else None
+        # CUDA's field names; torch's compile cache reads gcnArchName when torch.version.cuda is None
+        return SimpleNamespace(
+            name=getattr(base, "name", d.traits.name or d.type),
+            total_memory=getattr(base, "total_memory", None) or d.total_memory(index),
+            major=0, minor=0, multi_processor_count=getattr(base, "multi_processor_count", os.cpu_count() or 1),
+            gcnArchName="", warp_size=1, is_integrated=0, is_multi_gpu_board=0, L2_cache_size=0, uuid=f"{d.type}-{index}",
+            max_threads_per_multi_processor=1, regs_per_multiprocessor=0)
+
+    return get_device_properties
+
+
+def replacements(d: Device, devices: DeviceMap) -> dict[str, Any]:
+    """``torch.cuda`` name -> its answer on ``d`` (every name of ``coverage.DEVICE_FUNCTIONS``)."""
+    index = devices.index
+    module = d.module
+
+    def set_device(device: Any) -> None:
+        if not (type(device) is int and device < 0):  # torch.cuda.set_device(-1) is a no-op
+            d.set_device(index(device))
+
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return d.get_rng_state(d.torch_device(index(device)))
+
+    def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+        d.set_rng_state(new_state, d.torch_device(index(device)))
+
+    seed = getattr(module, "seed", None) or (lambda: d.manual_seed(random.getrandbits(63)))
+    seed_all = getattr(module, "seed_all", None) or (lambda: d.manual_seed_all(random.getrandbits(63)))
+
+    def on(device: Any) -> Any:
+        return None if device is None else d.torch_device(index(device))
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        i = index(device)
+        return d.available_memory(i), d.total_memory(i)
+
+    def by_index(function: Callable[..., Any]) -> Callable[..., Any]:
+        def call(device: Any = None, *args: Any, **kwargs: Any) -> Any:
+            return function(index(device), *args, **kwargs)
+
+        call.__name__ = call.__qualname__ = getattr(function, "__name__", "call")
+        return call
+
+    set_stream = getattr(module, "set_stream", None)
+    if set_stream is None:
+        @contextlib.contextmanager
+        def _entered(stream: Any) -> Iterator[Any]:  # no setter: entering the context is the only way
+            with d.stream(stream):
+                yield stream
+
+        def set_stream(stream: Any) -> None:
+            _entered(stream).__enter__()
+
+    answers: dict[str, Any] = {
+        "is_available": d.is_available,
+        "device_count": d.device_count,
+        "current_device": d.current_device,
+        "set_device": set_device,
+        "synchronize": lambda device=None: d.synchronize(),
+        "manual_seed": d.manual_seed,
+        "manual_seed_all": d.manual_seed_all,
+        "seed": seed,
+        "seed_all": seed_all,
+        "initial_seed": d.initial_seed,
+        "get_rng_state": get_rng_state,
+        "set_rng_state": set_rng_state,
+        "get_rng_state_all": lambda: [get_rng_state(i) for i in range(d.device_count())],
+        "set_rng_state_all": lambda states: [set_rng_state(s, i) for i, s in enumerate(states)] and None,
+        "Stream": d.Stream,  # both stream kinds read the index of a 'cuda:N' they are given
+        "Event": d.Event,
+        "stream": d.stream,
+        "current_stream": lambda device=None: d.current_stream(on(device)),
+        "default_stream": lambda device=None: d.default_stream(on(device)),
+        "set_stream": set_stream,
+        "memory_allocated": by_index(d.memory_allocated),
+        "max_memory_allocated": by_index(d.max_memory_allocated),
+        "memory_reserved": by_index(d.memory_reserved),
+        "max_memory_reserved": by_index(d.max_memory_reserved),
+        "memory_cached": by_index(d.memory_reserved),
+        "max_memory_cached": by_index(d.max_memory_reserved),
+        "reset_peak_memory_stats": by_index(d.reset_peak_memory_stats),
+        "reset_max_memory_allocated": by_index(d.reset_peak_memory_stats),
+        "reset_max_memory_cached": by_index(d.reset_peak_memory_stats),
+        "memory_stats": by_index(d.memory_stats),
+        "empty_cache": d.empty_cache,
+        "mem_get_info": mem_get_info,
+        "get_device_name": lambda device=None: d.traits.name or d.type,
+        "get_device_properties": _properties(d, devices),
+        "get_device_capability": lambda device=None: (0, 0),  # no CUDA architecture: arch-gated CUDA paths stay off
+        "is_bf16_supported": lambda including_emulation=True: d.traits.bf16_supported,
+        "is_initialized": lambda: True,
+        "init": lambda: None,
+        "is_current_stream_capturing": lambda: False,  # nothing is ever captured: graphs are not served
+        "ipc_collect": lambda: None,
+        "device": lambda device: _DeviceContext(d, devices, device),
+        "default_generators": getattr(module, "default_generators", None) or (torch.default_generator,),
+        # internals: CUDA defers seeding until it is initialised; a device without CUDA must run them now,
+        # or the seeds (Megatron's tensor-parallel RNG tracker) are queued forever and silently lost
+        "_lazy_init": lambda: None,
+        "_lazy_call": lambda callable, **kwargs: callable(),
+    }
+    return answers
+
+
+class _NvtxRanges:
+    """``torch.cuda.nvtx`` as ``torch.profiler.record_function`` ranges: named in a trace, no CUDA needed."""
+
+    def __init__(self) -> None:
+        self._open: list[Any] = []
+
+    def range_push(self, msg: str) -> int:
+        scope = torch.autograd.profiler.record_function(msg)
+        scope.__enter__()
+        self._open.append(scope)
+        return len(self._open) - 1
+
+    def range_pop(self) -> int:
+        if not self._open:
+            return -1
+        self._open.pop().__exit__(None, None, None)
+        return len(self._open)
+
+    def mark(self, msg: str) -> None:
+        with torch.autograd.profiler.record_function(msg):
+            pass
+
+    def range(self, msg: str, *args: Any, **kwargs: Any) -> Any:
+        return torch.autograd.profiler.record_function(msg.format(*args, **kwargs))
+
+
+def nvtx_replacements() -> dict[str, Any]:
+    ranges = _NvtxRanges()
+    return {"range_push": ranges.range_push, "range_pop": ranges.range_pop, "mark": ranges.mark,
+            "range": ranges.range}

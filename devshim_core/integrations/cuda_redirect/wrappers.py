@@ -1,0 +1,176 @@
+"""Thin wrappers that map a CUDA device argument before calling the original.
+
+Each fast path is one ``if`` on the arguments: a call that names no device pays a Python frame and
+nothing else, and a call that names one pays a memoised dictionary lookup (``bench/cuda_redirect.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
+
+Wrapper = Callable[[Callable[..., Any], DeviceMap], Callable[..., Any]]
+
+
+def _marked(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    functools.update_wrapper(wrapper, original)
+    wrapper.__devshim_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _register_for_torchscript(wrapper: Callable[..., Any], original: Callable[..., Any]) -> None:
+    """TorchScript resolves ``torch.zeros`` by identity: tell it the wrapper is the same aten op, or
+    ``@torch.jit.script`` code calling a factory stops compiling."""
+    try:
+        from torch.jit._builtins import _find_builtin, _register_builtin
+    except ImportError:  # pragma: no cover - torch moved it; scripting a factory call then fails loudly
+        return
+    op = _find_builtin(original)
+    if op is not None:
+        _register_builtin(wrapper, op)
+
+
+def factory(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+    """``torch.zeros(..., device='cuda')``: every torch factory takes ``device`` by keyword."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            device = kwargs.get("device")
+            if device is not None:
+                kwargs["device"] = devices(device)
+        return original(*args, **kwargs)
+
+    wrapped = _marked(call, original)
+    _register_for_torchscript(wrapped, original)
+    return wrapped
+
+
+def first_argument_device(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+    """``torch.set_default_device('cuda')`` and others whose device comes first or by keyword."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            args = (devices(args[0]), *args[1:])
+        elif "device" in kwargs:
+            kwargs["device"] = devices(kwargs["device"])
+        return original(*args, **kwargs)
+
+    return _marked(call, original)
+
+
+_DEVICE_KINDS = (str, int, torch.device)
+
+
+def method_to(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+    """``Tensor.to`` / ``Module.to``: the device is the first positional (a str, an int or a torch.device;
+    a dtype or a tensor there is left alone) or the ``device`` keyword."""
+
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            if type(args[0]) in _DEVICE_KINDS:
+                args = (devices(args[0]), *args[1:])
+        elif kwargs:
+            device = kwargs.get("device")
+            if device is not None:
+                kwargs["device"] = devices(device)
+        return original(self, *args, **kwargs)
+
+    return _marked(to, original)
+
+
+def device_keyword_method(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+    """``Tensor.new_zeros(..., device='cuda')``, ``Module.to_empty(device='cuda')``."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            device = kwargs.get("device")
+            if device is not None:
+                kwargs["device"] = devices(device)
+        return original(self, *args, **kwargs)
+
+    return _marked(method, original)
+
+
+def tensor_cuda(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+    """``Tensor.cuda(device=None)``: to the selected device (the current index unless one is named)."""
+    facade = devices.device
+
+    def cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
+        return self.to(facade.torch_device(devices.index(device)), non_blocking=non_blocking, **kwargs)
+
+    return _marked(cuda, original)
+
+
+def module_cuda(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+    """``Module.cuda(device=None)``: parameters and buffers to the selected device."""
+    facade = devices.device
+
+    def cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
+        return self.to(facade.torch_device(devices.index(device)))
+
+    return _marked(cuda, original)
+
+
+def backend_keyword(original: Callable[..., Any], devices: DeviceMap, position: int | None) -> Callable[..., Any]:
+    """``init_process_group(backend='nccl')``, ``new_group(..., backend='nccl')``: the plugin's backend.
+
+    ``position`` is where the backend sits when passed positionally (``None``: keyword only). A CUDA
+    ``device_id`` (eager NCCL initialisation) is dropped: it names a device that is not there.
+    """
+    plugin_backend = devices.device.collectives.backend
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if position is not None and len(args) > position:
+            if _is_nccl(args[position]):
+                args = (*args[:position], plugin_backend, *args[position + 1:])
+        elif _is_nccl(kwargs.get("backend")):
+            kwargs["backend"] = plugin_backend
+        device_id = kwargs.get("device_id")
+        if device_id is not None and devices(device_id) is not device_id:
+            del kwargs["device_id"]
+        return original(*args, **kwargs)
+
+    return _marked(call, original)
+
+
+def _is_nccl(backend: Any) -> bool:
+    return backend is not None and "nccl" in str(backend).lower()
+
+
+def autocast_init(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+    """``autocast('cuda')``: autocast on the selected device, with CUDA's default dtype (float16) unless the
+    script names one, so a script gets the precision it was written for."""
+
+    def __init__(self: Any, device_type: Any, *args: Any, **kwargs: Any) -> None:
+        if device_type == "cuda":
+            device_type = devices.type
+            if not args and kwargs.get("dtype") is None:
+                kwargs["dtype"] = torch.float16
+        original(self, device_type, *args, **kwargs)
+
+    return _marked(__init__, original)
+
+
+def grad_scaler_init(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+    """``GradScaler()`` / ``GradScaler('cuda')`` (``'cuda'`` is its default): scale on the selected device."""
+
+    def __init__(self: Any, device: Any = "cuda", *args: Any, **kwargs: Any) -> None:
+        original(self, devices.device_type(device), *args, **kwargs)
+
+    return _marked(__init__, original)
+
+
+def custom_amp(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+    """``torch.amp.custom_fwd/custom_bwd(device_type='cuda')``: read the selected device's autocast state."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "device_type" in kwargs:
+            kwargs["device_type"] = devices.device_type(kwargs["device_type"])
+        return original(*args, **kwargs)
+
+    return _marked(call, original)

@@ -1,0 +1,287 @@
+"""Megatron's fused paths on the device's kernels (``device.attention.<op>``), one declared patch per path.
+
+Megatron's local (non-TransformerEngine) spec runs unfused PyTorch code or asks for CUDA extensions; each patch
+here routes one path to the selected plugin's kernel instead, with Megatron's conventions converted at the call
+(layout [s, b, n, d], mask True = masked, its scales). A path whose op the plugin does not provide is not patched,
+and a call the kernel cannot serve as Megatron would runs Megatron's own code: falling back is never wrong.
+Nothing is imported from Megatron until a patch is applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from devshim_core.patching import Patch, RebindReferences, SetAttribute, SetAttributes
+
+if TYPE_CHECKING:
+    from devshim_core.device import Device
+
+Tensor = torch.Tensor
+DOT_PRODUCT_ATTENTION = "megatron.core.transformer.dot_product_attention"
+TORCH_NORM = "megatron.core.transformer.torch_norm"
+SWIGLU = "megatron.core.fusions.fused_bias_swiglu"
+ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
+FUSED_SOFTMAX = "megatron.core.fusions.fused_softmax"
+
+
+def fused_patches(device: Device) -> list[Patch]:
+    """The patches for the ops ``device`` provides, in the order they must be applied."""
+    kernels = device.attention
+    patches: list[Patch] = []
+    if kernels.attention is not None:
+        patches.append(SetAttribute(
+            name="fused-attention", target=f"{DOT_PRODUCT_ATTENTION}:DotProductAttention.forward",
+            make=_attention_forward,
+            reason="core attention runs the device's attention kernel instead of baddbmm + softmax + bmm; attention "
+                   "bias, sliding windows and softmax offsets keep Megatron's forward"))
+    if kernels.rms_norm is not None:
+        patches.append(SetAttribute(
+            name="fused-norm", target=f"{TORCH_NORM}:WrappedTorchNorm.__new__", make=_norm_new,
+            reason="the local spec's norm runs RMSNorm on the device's rms_norm kernel and takes sequence "
+                   "parallelism, zero-centred gamma and persist_layer_norm as TE's and apex's norms do"))
+    if kernels.swiglu is not None:
+        patches += _replaced_everywhere(
+            "fused-swiglu", f"{SWIGLU}:bias_swiglu_impl", _bias_swiglu_impl,
+            "bias_activation_fusion with SwiGLU runs the device's swiglu kernel")
+    if kernels.rotary is not None:
+        patches += _replaced_everywhere(
+            "fused-rotary", f"{ROPE_UTILS}:_apply_rotary_pos_emb_bshd", _rotary_bshd,
+            "rotary embeddings run the device's rotary kernel (multi-latent attention keeps Megatron's)")
+        patches.append(SetAttributes(
+            name="fused-rope", target=ROPE_UTILS,
+            names=("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"), make=_fused_rope,
+            reason="apply_rope_fusion=True runs the device's rotary kernel (without TE, TransformerConfig refuses it)"))
+    if kernels.masked_softmax is not None:
+        patches.append(SetAttributes(
+            name="fused-masked-softmax", target=f"{FUSED_SOFTMAX}:FusedScaleMaskSoftmax",
+            names=("is_kernel_available", "forward_fused_softmax"), make=_softmax_methods,
+            reason="masked_softmax_fusion in fp16/bf16 runs the device's masked_softmax kernel instead of the "
+                   "scaled_masked_softmax CUDA extensions"))
+    return patches
+
+
+def _replaced_everywhere(name: str, target: str, make: Callable[[Any, Device], Any], reason: str) -> list[Patch]:
+    """Set ``target`` and rebind the ``from module import f`` copies Megatron's modules hold of it."""
+    swap: dict[str, Any] = {}
+
+    def made(original: Any, device: Device) -> Any:
+        if original is None:
+            raise AttributeError(f"{target} does not exist in this Megatron")
+        swap["old"], swap["new"] = original, make(original, device)
+        return swap["new"]
+
+    return [SetAttribute(name=name, target=target, make=made, reason=reason),
+            RebindReferences(name=f"{name}-imported-copies", scope="megatron",
+                             pairs=lambda _device: [(swap["old"], swap["new"])],
+                             reason=f"modules that imported {target.rpartition(':')[2]} by name call the device's too")]
+
+
+# -- attention --------------------------------------------------------------------------------------------------
+
+
+def _attention_forward(original: Callable[..., Tensor], device: Device) -> Callable[..., Tensor]:
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.enums import AttnMaskType
+
+    kernel = device.attention.attention
+
+    def forward(self: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: Any = None, attention_bias: Tensor | None = None,
+                packed_seq_params: Any = None) -> Tensor:
+        # [sq, b, np, hn] query, [sk, b, ng, hn] key/value -> [sq, b, np * hn], as Megatron's forward
+        sq, sk = query.shape[0], key.shape[0]
+        softmax = self.scale_mask_softmax
+        # Megatron's forward ignores attn_mask_type: its softmax masks by the type it was built with
+        causal = self.attn_mask_type == AttnMaskType.causal and not (sq == 1 and attention_mask is None)
+        if (attention_bias is not None or packed_seq_params is not None  # Megatron refuses both here
+                or self.softmax_offset is not None or softmax.window_size is not None
+                or (attention_mask is not None and attention_mask.dtype != torch.bool)
+                or (causal and sq != sk)):
+            return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        # Megatron scales the scores twice: by softmax_scale (already divided by the layer number under
+        # apply_query_key_layer_scaling) in the matmul, then by that layer number again in the softmax
+        scale = self.softmax_scale * (softmax.scale if softmax.scale is not None else 1.0)
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+
+        def attend() -> Tensor:
+            # A causal type with a mask masks their union (Megatron's unfused path reads only the mask, its fused
+            # kernel only the triangle; they agree when the mask is causal). Masked scores are -inf here, not
+            # -10000.0: equal unless every score of a row is below about -9900, and a query with no key left gets
+            # zeros, as Megatron's fused softmax gives it.
+            return kernel(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+                          layout="BNSD", attn_mask=attention_mask, mask_true_means_masked=True, causal=causal,
+                          dropout_p=dropout_p, scale=scale)
+
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            # Dropout where Megatron applies it, inside the RNG tracker's fork (distinct per TP rank, replayed by
+            # activation recomputation). It drops the same fraction of probabilities and rescales the survivors
+            # as nn.Dropout, but draws its mask differently: same distribution, not the same bits as Megatron.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = attend()
+        else:
+            context = attend()
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, context.shape[0], -1)
+
+    return forward
+
+
+# -- norm -------------------------------------------------------------------------------------------------------
+
+
+class DeviceRMSNorm(torch.nn.Module):
+    """RMSNorm over the last dimension on the device's ``rms_norm`` kernel; one ``weight`` parameter, as
+    ``torch.nn.RMSNorm``'s, so checkpoints move between the two. With ``zero_centered_gamma`` the stored weight
+    is ``gamma - 1`` (initialised to 0), as TE's and apex's norms store it."""
+
+    def __init__(self, hidden_size: int, eps: float, kernel: Callable[..., Tensor], *,
+                 zero_centered_gamma: bool = False) -> None:
+        super().__init__()
+        self.normalized_shape = (hidden_size,)
+        self.eps = eps
+        self.zero_centered_gamma = zero_centered_gamma
+        self.kernel = kernel
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size) if zero_centered_gamma else torch.ones(hidden_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.kernel(x, self.weight + 1 if self.zero_centered_gamma else self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+
+
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` whose stored weight is ``gamma - 1`` (Megatron's ``layernorm_zero_centered_gamma``)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps=eps)
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+def _norm_new(original: Any, device: Device) -> staticmethod:
+    original_new = original.__func__ if isinstance(original, staticmethod) else original
+    kernel = device.attention.rms_norm
+
+    def __new__(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm") -> torch.nn.Module:
+        # like Megatron's, this reads config.normalization and config.layernorm_zero_centered_gamma, not the
+        # arguments of the same names; persist_layer_norm and memory_efficient_layer_norm only pick apex's CUDA
+        # kernels, so they are accepted and change nothing here
+        if config.normalization not in ("RMSNorm", "LayerNorm"):
+            return original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
+                                normalization)
+        centred = bool(config.layernorm_zero_centered_gamma)
+        if config.normalization == "RMSNorm":
+            norm: torch.nn.Module = DeviceRMSNorm(hidden_size, eps, kernel, zero_centered_gamma=centred)
+        else:
+            norm = ZeroCenteredLayerNorm(hidden_size, eps) if centred else torch.nn.LayerNorm(hidden_size, eps=eps)
+        for param in norm.parameters():  # Megatron all-reduces these grads across TP ranks, as for TE/apex norms
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+    return staticmethod(__new__)
+
+
+# -- swiglu -----------------------------------------------------------------------------------------------------
+
+
+def _bias_swiglu_impl(original: Callable[..., Tensor], device: Device) -> Callable[..., Tensor]:
+    kernel = device.attention.swiglu
+
+    def bias_swiglu_impl(input: Tensor, bias: Tensor | None, fp8_input_store: bool = False,
+                         cpu_offload_input: bool = False) -> Tensor:
+        if fp8_input_store or cpu_offload_input:  # how Megatron's own Functions store their input for backward
+            return original(input, bias, fp8_input_store, cpu_offload_input)
+        return kernel(input if bias is None else input + bias)
+
+    return bias_swiglu_impl
+
+
+# -- rotary -----------------------------------------------------------------------------------------------------
+
+
+def _rotary_bshd(original: Callable[..., Tensor], device: Device) -> Callable[..., Tensor]:
+    kernel = device.attention.rotary
+
+    def _apply_rotary_pos_emb_bshd(t: Tensor, freqs: Tensor, rotary_interleaved: bool = False,
+                                   multi_latent_attention: bool = False, mscale: float = 1.0) -> Tensor:
+        if multi_latent_attention or not _rotates(t, freqs):  # MLA de-interleaves t first: Megatron's own
+            return original(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        cos, sin = torch.cos(freqs), torch.sin(freqs)
+        if mscale != 1.0:
+            cos, sin = cos * mscale, sin * mscale  # in freqs' dtype, cast to t's by the kernel, as Megatron
+        return kernel(t, cos, sin, interleaved=rotary_interleaved)
+
+    return _apply_rotary_pos_emb_bshd
+
+
+def _rotates(t: Tensor, freqs: Tensor) -> bool:
+    """Whether ``freqs`` rotates the leading channels of ``t`` broadcasting without enlarging it."""
+    rot = freqs.shape[-1]
+    if freqs.dim() > t.dim() or rot % 2 or rot > t.shape[-1]:
+        return False
+    try:
+        return torch.broadcast_shapes(t.shape[:-1], freqs.shape[:-1]) == t.shape[:-1]
+    except RuntimeError:
+        return False
+
+
+class _ContextParallelRank:
+    """The size and rank of a context-parallel group, which is all Megatron's THD rotary reads from it."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _fused_rope(originals: dict[str, Any], device: Device) -> dict[str, Any]:
+    # TE's fused RoPE computes what Megatron's unfused functions compute; those run the device's kernel once
+    # "fused-rotary" is applied (looked up at call time, so a fallback inside them still holds)
+    from megatron.core.models.common.embeddings import rope_utils
+
+    def fused_apply_rotary_pos_emb(t: Tensor, freqs: Tensor, transpose_output_memory: bool = False,
+                                   interleaved: bool = False) -> Tensor:
+        return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+
+    def fused_apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, cp_size: int = 1,
+                                       cp_rank: int = 0) -> Tensor:
+        return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs,
+                                                    cp_group=_ContextParallelRank(cp_size, cp_rank))
+
+    return {"fused_apply_rotary_pos_emb": fused_apply_rotary_pos_emb,
+            "fused_apply_rotary_pos_emb_thd": fused_apply_rotary_pos_emb_thd}
+
+
+# -- masked softmax ---------------------------------------------------------------------------------------------
+
+
+def _softmax_methods(originals: dict[str, Any], device: Device) -> dict[str, Any]:
+    from megatron.core.transformer.enums import AttnMaskType
+
+    kernel = device.attention.masked_softmax
+
+    def is_kernel_available(self: Any, mask: Tensor | None, b: int, np: int, sq: int, sk: int) -> bool:
+        # the CUDA kernels' shape limits (sk <= 4096, multiples of 4) do not apply; sliding windows do not fuse
+        causal = self.attn_mask_type == AttnMaskType.causal
+        return bool(self.scaled_masked_softmax_fusion and self.input_in_float16 and self.window_size is None
+                    and (mask is None or not mask.is_floating_point()) and (not causal or sq == sk))
+
+    def forward_fused_softmax(self: Any, input: Tensor, mask: Tensor | None) -> Tensor:
+        # a causal type with a mask masks their union, as the attention patch does
+        return kernel(input, mask, self.scale if self.scale is not None else 1.0,
+                      causal=self.attn_mask_type == AttnMaskType.causal)
+
+    return {"is_kernel_available": is_kernel_available, "forward_fused_softmax": forward_fused_softmax}

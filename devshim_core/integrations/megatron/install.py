@@ -1,0 +1,64 @@
+"""Install the Megatron patch sets now, or the moment Megatron is imported."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from devshim_core import import_hooks
+from devshim_core.device import Device
+from devshim_core.errors import PatchError
+from devshim_core.integrations.megatron import flavor
+from devshim_core.integrations.megatron.patches import EXTENSION_MODULES, core_patch_set
+from devshim_core.patching import REGISTRY
+
+CORE = "megatron.core"
+TRAINING = "megatron.training"
+
+
+def _megatron_present() -> bool:
+    try:
+        return importlib.util.find_spec(CORE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _on_core_imported(device: Device) -> None:
+    if flavor.is_megatron_core():
+        REGISTRY.apply(core_patch_set(device), device)
+    elif flavor.is_megatron_deepspeed():
+        from devshim_core.integrations.megatron.deepspeed_fork import install as install_fork
+
+        install_fork(device)
+
+
+def _on_training_imported(device: Device) -> None:
+    if flavor.is_megatron_core():
+        from devshim_core.integrations.megatron.training import training_patch_set
+
+        REGISTRY.apply(training_patch_set(device), device)
+
+
+def install(device: Device, redirect_on: bool) -> str:
+    """Provide the extension modules, then apply (or arm) the set matching the Megatron that is imported."""
+    if not _megatron_present():
+        return "skipped: megatron is not importable"
+    if not redirect_on:
+        return ("skipped: Megatron needs the CUDA redirect (it calls torch.cuda throughout), and "
+                "DEVSHIM_REDIRECT_CUDA=0 turned it off")
+    REGISTRY.apply(EXTENSION_MODULES, device)
+    problem = flavor.MEGATRON_CORE.problem() if import_hooks.is_imported(CORE) and flavor.is_megatron_core() else None
+    if problem is not None:
+        raise PatchError(f"devshim's Megatron integration cannot run: {problem}. Install megatron-core"
+                         f"{flavor.MEGATRON_CORE.spec}, or set DEVSHIM_PATCH_MEGATRON=0 to run without it.")
+    for name, callback in ((CORE, _on_core_imported), (TRAINING, _on_training_imported)):
+        import_hooks.after_import(name, lambda module, callback=callback: callback(device))
+    if import_hooks.is_imported(CORE):
+        return "applied (megatron was imported first: import-time references were rebound)"
+    return "armed: applied when megatron.core is imported"
+
+
+def uninstall() -> None:
+    for name in (CORE, TRAINING):
+        import_hooks.cancel(name)
+    for name in ("megatron.training", "megatron-deepspeed", "megatron-core", EXTENSION_MODULES.name):
+        REGISTRY.revert(name)

@@ -1,0 +1,100 @@
+"""End to end: Megatron-LM's own ``pretrain_gpt.py``, unmodified but for ``import devshim_core.auto`` on its first line.
+
+Needs ``MEGATRON_LM_PATH``: a checkout of NVIDIA/Megatron-LM at tag ``core_v0.16.1`` (the tag of the pinned
+megatron-core 0.16.1). The checkout contributes ``megatron.training``, ``pretrain_gpt.py`` and its
+``gpt_builders``/``model_provider``; ``megatron.core`` is the installed megatron-core (``megatron`` is a namespace
+package there, and the checkout goes at the end of ``sys.path``: see ``first_line.py --script-dir-last``).
+
+The import line is added without editing the checkout: ``tests/e2e/first_line.py`` imports devshim and then runs
+the script as ``__main__``. The script keeps Megatron-LM's defaults for ``--distributed-backend`` (nccl) and
+``--transformer-impl`` (transformer_engine): devshim has to make those work, the test does not change them.
+
+=========================================  =====  ======================================================
+job                                        ranks  proves
+=========================================  =====  ======================================================
+TP 2 + sequence parallel + distributed      2      the run exits 0, every iteration logs a finite loss and
+optimizer                                          the loss falls
+TP 2 + SP + distributed optimizer vs TP 1   2, 1   with dropout 0 and the same (CPU-initialised) weights the
+                                                   parallel run computes the single-rank losses and grad
+                                                   norms within ``PARALLEL_RTOL``
+=========================================  =====  ======================================================
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .third_party import (
+    assert_close,
+    assert_losses_fell,
+    assert_succeeded,
+    checkout,
+    grad_norms,
+    lm_losses,
+    require_modules,
+    run_script,
+)
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("megatron.core", reason="the Megatron-LM runs need megatron-core")
+
+TAG = "core_v0.16.1"
+ITERATIONS = 8
+# Mock data is (arange(n) + 1) % vocab: very learnable. Cross-entropy starts at ~5.3-5.6 and falls by ~0.65 nats
+# within 8 iterations at lr 1e-3 (measured with dropout 0.1 and 0); a fall of 0.3 nats (first loss against the
+# mean of the last two) is far from noise yet proves the optimizer stepped the right gradients.
+LOSS_DROP = 0.3
+# TP 2 + SP + distributed optimizer against TP 1 on the same weights and batches (dropout 0): only the order of
+# floating-point reductions differs (split matmuls, all-reduce/reduce-scatter sums), ~1e-7 relative per step
+# in fp32; 1e-4 leaves room for that to accumulate over the iterations and for the 7 printed digits.
+PARALLEL_RTOL = 1e-4
+# Megatron logs the grad norm as "%.3f": the same numbers may still round apart by one unit of the last digit
+GRAD_NORM_ATOL = 1.01e-3
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+         # the padded vocabulary must not depend on the TP size (the default pads to a multiple of 128 x TP)
+         "--make-vocab-size-divisible-by", "64"]
+TRAINING = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERATIONS),
+            "--lr", "1e-3", "--lr-decay-style", "constant", "--log-interval", "1", "--eval-iters", "0",
+            "--eval-interval", str(10 * ITERATIONS), "--seed", "1234"]
+DETERMINISTIC = ["--hidden-dropout", "0", "--attention-dropout", "0",
+                 # the full weight is drawn once on the CPU and split, so every TP size starts from the same model
+                 "--use-cpu-initialization"]
+TP2_SP_DISTOPT = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"]
+
+
+@pytest.fixture(scope="module")
+def megatron_lm() -> Path:
+    path = checkout("MEGATRON_LM_PATH", f"NVIDIA/Megatron-LM at tag {TAG}", "pretrain_gpt.py")
+    # megatron.training's own imports (tokenizers); not part of megatron-core's dependencies
+    require_modules("six", "regex", why="megatron.training (Megatron-LM) imports them at import time")
+    return path
+
+
+def pretrain_gpt(checkout_path: Path, args: list[str], workdir: Path, nproc: int):
+    return run_script(checkout_path / "pretrain_gpt.py", [*MODEL, *TRAINING, *args], workdir, nproc=nproc,
+                      script_dir_last=True)
+
+
+def test_tp2_sequence_parallel_distributed_optimizer_trains(megatron_lm: Path, tmp_path: Path) -> None:
+    job = pretrain_gpt(megatron_lm, TP2_SP_DISTOPT, tmp_path, nproc=2)
+    assert_succeeded(job)
+    assert_losses_fell(lm_losses(job), ITERATIONS, LOSS_DROP, job)
+
+
+def test_tp2_sequence_parallel_distributed_optimizer_matches_one_rank(megatron_lm: Path, tmp_path: Path) -> None:
+    single = pretrain_gpt(megatron_lm, DETERMINISTIC, tmp_path / "tp1", nproc=1)
+    assert_succeeded(single)
+    parallel = pretrain_gpt(megatron_lm, [*DETERMINISTIC, *TP2_SP_DISTOPT], tmp_path / "tp2", nproc=2)
+    assert_succeeded(parallel)
+    reference = lm_losses(single)
+    assert_losses_fell(reference, ITERATIONS, LOSS_DROP, single)
+    assert_close(lm_losses(parallel), reference, PARALLEL_RTOL, "TP2+SP+distopt vs TP1 losses", parallel)
+    # grad norms are printed with 3 decimals only: equal to that resolution
+    parallel_norms, reference_norms = grad_norms(parallel), grad_norms(single)
+    assert len(parallel_norms) == len(reference_norms) == ITERATIONS, f"{parallel_norms} vs {reference_norms}"
+    assert all(abs(a - b) <= GRAD_NORM_ATOL for a, b in zip(parallel_norms, reference_norms, strict=True)), (
+        f"TP2+SP+distopt vs TP1 grad norms: {parallel_norms} vs {reference_norms}\n{parallel.tail(80)}")
