@@ -16,7 +16,8 @@ import torch
 
 from bench.common import Comparison, Note, Result
 
-MODULES = ("host_adam", "attention", "fused_ops", "import_cost", "end_to_end", "vendor_peer")
+MODULES = ("host_adam", "attention", "fused_ops", "import_cost", "end_to_end", "vendor_peer", "cuda_redirect",
+           "megatron_step")
 DEFAULT_OUTPUT = pathlib.Path(__file__).resolve().parent / "results.json"
 
 

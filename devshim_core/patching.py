@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import os
 import re
 import sys
 import threading
@@ -201,6 +202,32 @@ class SetAttributes(Patch):
                     setattr(owner, attr, saved[attr])
 
         return undo, f"{len(replacements)} of {len(self.names)} names set"
+
+
+@dataclass(frozen=True)
+class SetEnvironment(Patch):
+    """Set environment variables a framework insists on, unless the user set them (theirs win)."""
+
+    name: str
+    values: Mapping[str, str]
+    reason: str
+    requires: tuple[Requirement, ...] = ()
+
+    def target_description(self) -> str:
+        return "os.environ: " + ", ".join(f"{k}={v}" for k, v in self.values.items())
+
+    def apply(self, device: Device) -> tuple[Undo, str]:
+        added = {k: v for k, v in self.values.items() if k not in os.environ}
+        os.environ.update(added)
+
+        def undo() -> None:
+            for key, value in added.items():
+                if os.environ.get(key) == value:
+                    del os.environ[key]
+
+        kept = sorted(set(self.values) - set(added))
+        return undo, f"set {', '.join(sorted(added)) or 'nothing'}" + (f"; kept the user's {', '.join(kept)}" if kept
+                                                                         else "")
 
 
 class _BlockingFinder(importlib.abc.MetaPathFinder):

@@ -61,6 +61,8 @@ class Options:
     load: str | None = None  # initial model weights, written by --save-initial of a run of any layout
     save_initial: str | None = None
     save: str | None = None  # model and optimizer state after the last step
+    resume: str | None = None  # model and optimizer state written by --save; training goes on at --start-step
+    start_step: int = 0
     report: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -213,11 +215,13 @@ def global_loss(results: list[dict[str, torch.Tensor]]) -> float:
 # -- checkpoints -------------------------------------------------------------------------------------------
 
 
-def sharded_state(chunks: list[torch.nn.Module], optimizer: Any = None) -> dict[str, Any]:
+def sharded_state(chunks: list[torch.nn.Module], optimizer: Any = None, loading: bool = False) -> dict[str, Any]:
     modules = [getattr(c, "module", c) for c in chunks]
     state: dict[str, Any] = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state)
+        # 'dp_reshardable': the distributed optimizer's non-deprecated format for resuming the same layout
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     return state
 
 
@@ -228,11 +232,12 @@ def save(directory: str, chunks: list[torch.nn.Module], optimizer: Any = None) -
 
 def load(directory: str, chunks: list[torch.nn.Module], optimizer: Any = None) -> None:
     """Model (and optimizer) state from a checkpoint written by any parallel layout."""
-    loaded = dist_checkpointing.load(sharded_state(chunks, optimizer), directory)
+    loaded = dist_checkpointing.load(sharded_state(chunks, optimizer, loading=True), directory)
     for i, chunk in enumerate(chunks):
         getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"])
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # fp32 main params are views of the (grad-requiring) model params
+            optimizer.load_state_dict(loaded["optimizer"])
 
 
 # -- the run -----------------------------------------------------------------------------------------------
@@ -247,8 +252,8 @@ def device_report() -> dict[str, Any]:
             "backend": dist.get_backend(), "device": str(param_device)}
 
 
-def run(o: Options, start_step: int = 0) -> dict[str, Any]:
-    """Build, optionally load, train ``o.steps`` steps from ``start_step``; return what rank 0 reports."""
+def run(o: Options) -> dict[str, Any]:
+    """Build, optionally load, train ``o.steps`` steps from ``o.start_step``; return the losses and grad norms."""
     init_parallel(o)
     config = transformer_config(o)
     chunks = build_model(o, config)
@@ -258,8 +263,10 @@ def run(o: Options, start_step: int = 0) -> dict[str, Any]:
         load(o.load, chunks)
     chunks = wrap(o, config, chunks)
     optimizer = optimizer_for(o, chunks)
+    if o.resume:
+        load(o.resume, chunks, optimizer)
     losses, norms = [], []
-    for step in range(start_step, start_step + o.steps):
+    for step in range(o.start_step, o.start_step + o.steps):
         loss, norm = train_step(o, chunks, optimizer, step)
         losses.append(loss)
         norms.append(norm)

@@ -69,3 +69,42 @@ def test_the_results_render_as_markdown_for_the_performance_doc(quick_report):
     for result in report["comparisons"]:
         assert f"| {result['case']} |" in text and f"{result['ratio']:.3f}×" in text
     assert f"Targets met: {report['targets']['met']}/{report['targets']['judged']}" in text
+
+
+def test_the_cuda_redirect_benchmark_measures_both_processes_and_checks_untouched_functions(quick_report):
+    notes = [n for n in quick_report[0]["notes"] if n["group"] == "cuda_redirect"]
+    quick = [n for n in notes if ", quick (" in n["name"]]
+    in_process = [n for n in notes if "against the unwrapped original" in n["name"]]
+    assert len(quick) == 4 and len(in_process) == 4, notes
+    assert all(n["unit"] == "µs" and math.isfinite(n["value"]) and n["met"] is None for n in quick + in_process)
+    (untouched,) = [n for n in notes if n["name"].startswith("functions that take no device")]
+    assert untouched["met"] is True and "torch.add" in untouched["name"]
+
+
+def test_the_megatron_step_benchmark_runs_both_contenders_and_reports_their_memory(quick_report):
+    notes = {n["name"]: n for n in quick_report[0]["notes"] if n["group"] == "megatron_step"}
+    for contender in ("fused", "redirect"):
+        (step,) = [n for name, n in notes.items() if name.startswith(f"{contender}: step time")]
+        assert 0 < step["value"] < 60 and step["unit"] == "s"
+        memory = [n for name, n in notes.items() if name.startswith(f"{contender}: peak")]
+        assert len(memory) == 2 and all(n["unit"] == "MiB" and n["value"] > 0 for n in memory)
+
+
+def test_the_megatron_step_benchmark_refuses_a_run_on_the_wrong_paths():
+    from bench.megatron_step import _check_paths
+
+    fused = {"attention_forward": "devshim_core.integrations.megatron.fused_ops._attention_forward.<locals>.forward",
+             "bias_swiglu_impl": "devshim_core.integrations.megatron.fused_ops._bias_swiglu_impl.<locals>.f",
+             "rotary_bshd": "devshim_core.integrations.megatron.fused_ops._rotary_bshd.<locals>.f",
+             "norm_classes": ["DeviceRMSNorm", "IdentityOp"], "megatron_integration": "applied",
+             "cuda_redirect": "applied (...)", "device": "cpu"}
+    unfused = {**fused,
+               "attention_forward": "megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
+               "bias_swiglu_impl": "megatron.core.fusions.fused_bias_swiglu.bias_swiglu_impl",
+               "rotary_bshd": "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",
+               "norm_classes": ["IdentityOp", "RMSNorm"], "megatron_integration": "skipped: DEVSHIM_PATCH_MEGATRON=0"}
+    _check_paths("fused", fused)
+    _check_paths("redirect", unfused)
+    for contender, paths in (("fused", unfused), ("redirect", fused), ("redirect", {**unfused, "device": "npu:0"})):
+        with pytest.raises(RuntimeError, match=contender):
+            _check_paths(contender, paths)

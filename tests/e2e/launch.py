@@ -95,23 +95,24 @@ def job_env(workdir: Path, extra: Mapping[str, str] | None = None) -> dict[str, 
 
 
 def run_job(launcher: str, script_args: Sequence[str], workdir: Path, env: Mapping[str, str] | None = None,
-            launcher_args: Sequence[str] = (), timeout_s: float = TIMEOUT_S) -> Job:
+            launcher_args: Sequence[str] = (), timeout_s: float = TIMEOUT_S, script: Path = SCRIPT,
+            ranks: int = RANKS, report: bool = True) -> Job:
     """Train with ``launcher`` ("torchrun" or "deepspeed") in ``workdir``; rank 0 reports to workdir/report.json.
 
     torchrun is told the rank count; the deepspeed launcher is not (it sizes the job from the accelerator's
     device count unless ``launcher_args`` say otherwise).
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    report = workdir / "report.json"
+    report_path = workdir / "report.json"
     port = str(free_port())
     if launcher == "torchrun":
-        command = [str(venv_bin("torchrun")), "--nnodes", "1", "--nproc-per-node", str(RANKS),
+        command = [str(venv_bin("torchrun")), "--nnodes", "1", "--nproc-per-node", str(ranks),
                    "--master-addr", "127.0.0.1", "--master-port", port, *launcher_args]
     elif launcher == "deepspeed":
         command = [str(venv_bin("deepspeed")), "--master_addr", "127.0.0.1", "--master_port", port, *launcher_args]
     else:
         raise ValueError(f"unknown launcher {launcher!r}")
-    command += [str(SCRIPT), *script_args, "--report", str(report)]
+    command += [str(script), *script_args, *(["--report", str(report_path)] if report else [])]
     full_env = job_env(workdir, env)
 
     start = time.monotonic()
@@ -127,7 +128,7 @@ def run_job(launcher: str, script_args: Sequence[str], workdir: Path, env: Mappi
         stderr += f"\n[killed: the job exceeded its {timeout_s} s timeout]"
         returncode = None
     return Job(launcher=launcher, command=command, env=full_env, returncode=returncode, stdout=stdout,
-               stderr=stderr, elapsed_s=time.monotonic() - start, report_path=report,
+               stderr=stderr, elapsed_s=time.monotonic() - start, report_path=report_path,
                extensions_dir=Path(full_env["TORCH_EXTENSIONS_DIR"]))
 
 

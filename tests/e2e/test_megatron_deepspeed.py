@@ -12,6 +12,12 @@ the installed megatron-core wherever the checkout sits on the path.
   stand-ins, on ``PYTHONPATH`` for these jobs only.
 - It imports ``deepspeed.compression.compress`` (``init_compression``, ``redundancy_clean``), which DeepSpeed
   0.19.8 removed; devshim provides that module, this test does not.
+- Its ``megatron/__init__.py`` imports its ``megatron.core.tensor_parallel``, whose ``layers.py`` binds
+  ``fused_weight_gradient_mlp_cuda`` at import time, and ``--gradient-accumulation-fusion`` is on by default:
+  devshim must provide that module before anything imports ``megatron`` (a ``find_spec("megatron.core")`` on
+  the fork imports the whole package). Otherwise the model build fails with "ColumnParallelLinear was called
+  with gradient_accumulation_fusion set to True but ... fused_weight_gradient_mlp_cuda module is not found".
+  The fork's backward then ignores the flag (its fused call is commented out): grads are plain matmuls.
 
 =================================  =====  ==========================================================
 job                                ranks  proves
@@ -24,11 +30,13 @@ ZeRO-1, pipeline parallel 2        2      the same through DeepSpeed's pipeline 
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from .launch import venv_bin
 from .third_party import (
     STANDINS,
     assert_losses_fell,
@@ -72,7 +80,11 @@ def megatron_deepspeed() -> Path:
 
 
 def job_pythonpath(checkout_path: Path) -> dict[str, str]:
-    return {"PYTHONPATH": python_path(STANDINS, checkout_path)}
+    """The stand-ins and the checkout on ``PYTHONPATH``; the test virtualenv first on ``PATH``: rank 0's
+    ``compile_helper`` runs ``make -C megatron/data``, whose Makefile calls ``python3 -m pybind11 --includes``,
+    and that ``python3`` must be the one with pybind11 (the virtualenv's), not whatever the shell finds first."""
+    search_path = os.pathsep.join([str(venv_bin("python").parent), os.environ.get("PATH", "")])
+    return {"PYTHONPATH": python_path(STANDINS, checkout_path), "PATH": search_path}
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ TP 2 + SP + distributed optimizer vs TP 1   2, 1   with dropout 0 and the same (
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -42,9 +43,10 @@ pytest.importorskip("megatron.core", reason="the Megatron-LM runs need megatron-
 
 TAG = "core_v0.16.1"
 ITERATIONS = 8
-# Mock data is (arange(n) + 1) % vocab: very learnable. Cross-entropy starts at ~5.3-5.6 and falls by ~0.65 nats
-# within 8 iterations at lr 1e-3 (measured with dropout 0.1 and 0); a fall of 0.3 nats (first loss against the
-# mean of the last two) is far from noise yet proves the optimizer stepped the right gradients.
+# Mock data is (arange(n) + 1) % vocab: very learnable. Cross-entropy starts near ln(128) = 4.85 (4.88 measured,
+# dropout 0) and falls by more than 0.3 nats within 8 iterations at lr 1e-3 (both tests pass this bar; with a
+# 192-entry vocabulary it fell by ~0.65 from 5.3); a fall of 0.3 nats (first loss against the mean of the last two)
+# is far from noise yet proves the optimizer stepped the right gradients.
 LOSS_DROP = 0.3
 # TP 2 + SP + distributed optimizer against TP 1 on the same weights and batches (dropout 0): only the order of
 # floating-point reductions differs (split matmuls, all-reduce/reduce-scatter sums), ~1e-7 relative per step
@@ -53,16 +55,22 @@ PARALLEL_RTOL = 1e-4
 # Megatron logs the grad norm as "%.3f": the same numbers may still round apart by one unit of the last digit
 GRAD_NORM_ATOL = 1.01e-3
 
+# The padded vocabulary must not depend on the TP size, or TP 1 and TP 2 are different models: Megatron-LM pads
+# it to a multiple of --make-vocab-size-divisible-by x TP, and NullTokenizer's vocabulary is --vocab-size + 1 (its
+# end-of-document id). 127 + 1 = 128 is a multiple of 64 x 1 and of 64 x 2: both pad to 128. (With --vocab-size 128,
+# 129 padded to 192 for TP 1 and to 256 for TP 2: a larger embedding drawn first shifted every later CPU-initialised
+# weight, and 64 more random logits raised the first loss from 5.28 to 5.57. That was the test, not devshim.)
+VOCAB_SIZE, PADDED_VOCAB = 127, 128
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--max-position-embeddings", "64", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-         # the padded vocabulary must not depend on the TP size (the default pads to a multiple of 128 x TP)
-         "--make-vocab-size-divisible-by", "64"]
+         "--max-position-embeddings", "64", "--mock-data", "--tokenizer-type", "NullTokenizer",
+         "--vocab-size", str(VOCAB_SIZE), "--make-vocab-size-divisible-by", "64"]
 TRAINING = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERATIONS),
             "--lr", "1e-3", "--lr-decay-style", "constant", "--log-interval", "1", "--eval-iters", "0",
             "--eval-interval", str(10 * ITERATIONS), "--seed", "1234"]
 DETERMINISTIC = ["--hidden-dropout", "0", "--attention-dropout", "0",
                  # the full weight is drawn once on the CPU and split, so every TP size starts from the same model
                  "--use-cpu-initialization"]
+_PADDED_VOCAB = re.compile(r"padded vocab \(size: \d+\) with \d+ dummy tokens \(new size: (\d+)\)")
 TP2_SP_DISTOPT = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"]
 
 
@@ -75,8 +83,13 @@ def megatron_lm() -> Path:
 
 
 def pretrain_gpt(checkout_path: Path, args: list[str], workdir: Path, nproc: int):
-    return run_script(checkout_path / "pretrain_gpt.py", [*MODEL, *TRAINING, *args], workdir, nproc=nproc,
-                      script_dir_last=True)
+    job = run_script(checkout_path / "pretrain_gpt.py", [*MODEL, *TRAINING, *args], workdir, nproc=nproc,
+                     script_dir_last=True)
+    padded = _PADDED_VOCAB.findall(job.stdout)
+    assert job.returncode != 0 or padded == [str(PADDED_VOCAB)], (
+        f"Megatron padded the vocabulary to {padded}, not {PADDED_VOCAB}: TP sizes would not build the same model\n"
+        f"{job.tail(40)}")
+    return job
 
 
 def test_tp2_sequence_parallel_distributed_optimizer_trains(megatron_lm: Path, tmp_path: Path) -> None:

@@ -72,8 +72,14 @@ def run_torchrun(argv: Sequence[str], workdir: Path, *, nproc: int, env: Mapping
         stdout, stderr = proc.communicate(timeout=timeout_s)
         returncode: int | None = proc.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        # SIGTERM first: torchrun forwards it to its ranks, which it starts in sessions of their own (a SIGKILL of
+        # torchrun's group alone orphans them, still running, with the rendezvous store gone)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
         stderr += f"\n[killed: the job exceeded its {timeout_s} s timeout]"
         returncode = None
     return Job(launcher="torchrun", command=command, env=full_env, returncode=returncode, stdout=stdout,

@@ -530,8 +530,10 @@ def test_on_ascend_no_torch_distributed_patch_is_applied_and_hccl_gets_no_extra_
     assert not active.device.collectives.init_kwargs
     assert "torch.distributed" not in active.integrations
     assert all(p["set"] != "torch.distributed" for p in REGISTRY.report())
-    assert not hasattr(dist.init_process_group, "__devshim_original__")
-    assert dist.init_process_group is dist.distributed_c10d.init_process_group
+    # only the CUDA redirect (backend='nccl' -> hccl) wraps torch's function, one level deep
+    assert {p["set"] for p in REGISTRY.report() if "init_process_group" in p["target"]} == {"cuda-redirect"}
+    for function in (dist.init_process_group, dist.distributed_c10d.init_process_group):
+        assert not hasattr(function.__devshim_original__, "__devshim_original__")
     with single_rank_group() as backend:
         assert dist.get_backend() == "hccl"
         assert backend.options is None

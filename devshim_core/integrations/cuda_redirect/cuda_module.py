@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,8 +45,8 @@ def _properties(d: Device, devices: DeviceMap) -> Callable[..., Any]:
             name=getattr(base, "name", d.traits.name or d.type),
             total_memory=getattr(base, "total_memory", None) or d.total_memory(index),
             major=0, minor=0, multi_processor_count=getattr(base, "multi_processor_count", os.cpu_count() or 1),
-            gcnArchName="", warp_size=1, is_integrated=0, is_multi_gpu_board=0, L2_cache_size=0, uuid=f"{d.type}-{index}",
-            max_threads_per_multi_processor=1, regs_per_multiprocessor=0)
+            gcnArchName="", warp_size=1, is_integrated=0, is_multi_gpu_board=0, L2_cache_size=0,
+            uuid=f"{d.type}-{index}", max_threads_per_multi_processor=1, regs_per_multiprocessor=0)
 
     return get_device_properties
 
@@ -85,13 +85,18 @@ def replacements(d: Device, devices: DeviceMap) -> dict[str, Any]:
 
     set_stream = getattr(module, "set_stream", None)
     if set_stream is None:
-        @contextlib.contextmanager
-        def _entered(stream: Any) -> Iterator[Any]:  # no setter: entering the context is the only way
-            with d.stream(stream):
-                yield stream
+        # no setter: entering the stream context is the only way. The entered context must stay referenced:
+        # a dropped one is closed by the garbage collector, which restores the previous stream at once
+        entered = threading.local()
 
         def set_stream(stream: Any) -> None:
-            _entered(stream).__enter__()
+            if stream is None:  # torch.cuda.set_stream(None) is a no-op
+                return
+            held = getattr(entered, "context", None)
+            if held is not None:  # leave the previous set_stream first: its exit restores what it replaced
+                held.__exit__(None, None, None)
+            entered.context = d.stream(stream)
+            entered.context.__enter__()
 
     answers: dict[str, Any] = {
         "is_available": d.is_available,

@@ -56,8 +56,10 @@ def tensor_type(original: Callable[..., Any], devices: DeviceMap, classes: dict[
             return original(self)
         cls = by_name.get(dtype) if isinstance(dtype, str) else (dtype if dtype in classes.values() else None)
         if cls is not None:
-            return self.to(device=devices.device.torch_device(devices.device.current_device()), dtype=cls.dtype,
-                           non_blocking=non_blocking)
+            # as CUDA's Tensor.type: a tensor already on the device keeps its index, others go to the current one
+            target = self.device if self.device.type == device_type else devices.device.torch_device(
+                devices.device.current_device())
+            return self.to(device=target, dtype=cls.dtype, non_blocking=non_blocking)
         return original(self, dtype, non_blocking, **kwargs)
 
     return type

@@ -7,9 +7,13 @@ then crashes or computes on the wrong device later. Blocking them makes the fall
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from types import ModuleType
+from typing import Any
 
 from devshim_core.device import Device
+from devshim_core.errors import ConfigError
 
 _NO_CUDA = "a CUDA extension; devshim blocks it off CUDA so that Megatron takes its torch fallback"
 
@@ -26,8 +30,63 @@ BLOCKED: dict[str, str] = {
 }
 
 
+BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+
+
+def _batch_invariant_standin() -> ModuleType:
+    """megatron-core's batch-invariant kernels are triton kernels, imported unconditionally by Megatron-LM's
+    ``initialize``; without triton the stand-in imports and refuses the flag that would use them."""
+    module = ModuleType(BATCH_INVARIANT, "devshim stand-in: batch-invariant mode needs triton")
+
+    def enable_batch_invariant_mode(*args: Any, **kwargs: Any) -> None:
+        raise ConfigError("--batch-invariant-mode needs megatron-core's triton kernels, and triton is not installed "
+                          "here: drop the flag.")
+
+    module.enable_batch_invariant_mode = enable_batch_invariant_mode  # type: ignore[attr-defined]
+    module.is_batch_invariant_mode_enabled = lambda: False  # type: ignore[attr-defined]
+    return module
+
+
+def _deepspeed_compression_compat() -> ModuleType:
+    """DeepSpeed 0.19 removed ``deepspeed.compression.compress``; Megatron-DeepSpeed imports two names from it
+    unconditionally and calls them only when the DeepSpeed config asks for compression training."""
+    module = ModuleType("deepspeed.compression.compress", "devshim compatibility module (removed in DeepSpeed 0.19)")
+
+    def unavailable(*args: Any, **kwargs: Any) -> None:
+        raise ConfigError("compression training (\"compression_training\" in the DeepSpeed config) was removed in "
+                          "DeepSpeed 0.19; remove it from the config or use DeepSpeed < 0.19.")
+
+    module.init_compression = module.redundancy_clean = unavailable  # type: ignore[attr-defined]
+    return module
+
+
+def _missing(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _deepspeed_lacks_compress() -> bool:
+    """Looked up on disk: importing ``deepspeed.compression`` to ask would import all of DeepSpeed."""
+    try:
+        spec = importlib.util.find_spec("deepspeed")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    locations = spec.submodule_search_locations
+    return not any(os.path.exists(os.path.join(p, "compression", "compress.py")) for p in locations)
+
+
 def provided(device: Device) -> dict[str, ModuleType]:
-    """``fused_weight_gradient_mlp_cuda``: gradient-accumulation fusion on the plugin's ``wgrad_accumulate``."""
+    """``fused_weight_gradient_mlp_cuda`` on the plugin's ``wgrad_accumulate``, and stand-ins for modules that
+    cannot import here (each only when the real one is missing)."""
     from devshim_core.integrations.megatron.wgrad_module import make_module
 
-    return {"fused_weight_gradient_mlp_cuda": make_module(device)}
+    modules = {"fused_weight_gradient_mlp_cuda": make_module(device)}
+    if _missing("triton"):
+        modules[BATCH_INVARIANT] = _batch_invariant_standin()
+    if _deepspeed_lacks_compress():
+        modules["deepspeed.compression.compress"] = _deepspeed_compression_compat()
+    return modules

@@ -1,11 +1,13 @@
 """Which Megatron was imported: megatron-core (installed, or Megatron-LM's checkout) or a fork of it.
 
-Megatron-DeepSpeed ships its own ``megatron/core``, older and different; megatron-core 0.16 patches must never
-touch it. megatron-core has ``megatron.core.package_info``; the fork does not.
+Megatron-DeepSpeed ships its own ``megatron/core`` (its ``package_info`` says 0.2.0), older and different;
+megatron-core 0.16 patches must never touch it. Its tell: ``megatron/training.py`` is a module beside
+``megatron/core``, where Megatron-LM has a ``megatron/training/`` package.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -33,12 +35,16 @@ class ImportedMegatronCore(Requirement):
 MEGATRON_CORE = ImportedMegatronCore()
 
 
+def is_megatron_deepspeed() -> bool:
+    """Megatron-DeepSpeed's fork: its ``megatron.core`` sits beside a ``training.py`` module."""
+    core = sys.modules.get("megatron.core")
+    core_file = getattr(core, "__file__", None)
+    if not core_file:
+        return False
+    package_dir = os.path.dirname(os.path.dirname(core_file))
+    return os.path.isfile(os.path.join(package_dir, "training.py"))
+
+
 def is_megatron_core() -> bool:
     """Whether the imported ``megatron.core`` is megatron-core (any version), not Megatron-DeepSpeed's fork."""
-    return MEGATRON_CORE.installed() is not None
-
-
-def is_megatron_deepspeed() -> bool:
-    """Megatron-DeepSpeed: a ``megatron.core`` without ``package_info``, beside its DeepSpeed-aware training."""
-    core = sys.modules.get("megatron.core")
-    return core is not None and not is_megatron_core()
+    return "megatron.core" in sys.modules and not is_megatron_deepspeed()

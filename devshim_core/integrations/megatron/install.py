@@ -22,13 +22,23 @@ def _megatron_present() -> bool:
         return False
 
 
-def _on_core_imported(device: Device) -> None:
-    if flavor.is_megatron_core():
-        REGISTRY.apply(core_patch_set(device), device)
-    elif flavor.is_megatron_deepspeed():
-        from devshim_core.integrations.megatron.deepspeed_fork import install as install_fork
+def _record(status: str) -> None:
+    from devshim_core.session import current
 
-        install_fork(device)
+    session = current()
+    if session is not None:
+        session.integrations["megatron"] = status
+
+
+def _on_core_imported(device: Device) -> None:
+    if flavor.is_megatron_deepspeed():
+        # the fork is accelerator-aware (get_accelerator()): DeepSpeed's integration and the CUDA redirect serve
+        # it, with the extension modules provided; megatron-core 0.16's patches would break it
+        _record("Megatron-DeepSpeed recognised: its megatron.core fork gets no megatron-core patches; the DeepSpeed "
+                "integration and the CUDA redirect serve it")
+        return
+    REGISTRY.apply(core_patch_set(device), device)
+    _record("applied")
 
 
 def _on_training_imported(device: Device) -> None:
@@ -46,13 +56,16 @@ def install(device: Device, redirect_on: bool) -> str:
         return ("skipped: Megatron needs the CUDA redirect (it calls torch.cuda throughout), and "
                 "DEVSHIM_REDIRECT_CUDA=0 turned it off")
     REGISTRY.apply(EXTENSION_MODULES, device)
-    problem = flavor.MEGATRON_CORE.problem() if import_hooks.is_imported(CORE) and flavor.is_megatron_core() else None
+    imported_first = import_hooks.is_imported(CORE)
+    problem = flavor.MEGATRON_CORE.problem() if imported_first and flavor.is_megatron_core() else None
     if problem is not None:
         raise PatchError(f"devshim's Megatron integration cannot run: {problem}. Install megatron-core"
                          f"{flavor.MEGATRON_CORE.spec}, or set DEVSHIM_PATCH_MEGATRON=0 to run without it.")
     for name, callback in ((CORE, _on_core_imported), (TRAINING, _on_training_imported)):
         import_hooks.after_import(name, lambda module, callback=callback: callback(device))
-    if import_hooks.is_imported(CORE):
+    if imported_first:
+        if flavor.is_megatron_deepspeed():
+            return "Megatron-DeepSpeed recognised: no megatron-core patches"
         return "applied (megatron was imported first: import-time references were rebound)"
     return "armed: applied when megatron.core is imported"
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
+
 from devshim_core.device import Device
 from devshim_core.integrations.megatron import extension_modules, pipeline_p2p, rng, unserved_flags
 from devshim_core.integrations.megatron.flavor import MEGATRON_CORE
@@ -18,6 +20,7 @@ from devshim_core.patching import Patch, PatchSet, ProvideModules, RebindReferen
 
 RANDOM = "megatron.core.tensor_parallel.random"
 LAYERS = "megatron.core.tensor_parallel.layers"
+MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 
 EXTENSION_MODULES = PatchSet(
     name="megatron:extension-modules",
@@ -54,6 +57,67 @@ def _rng_pairs(device: Device) -> list[tuple[Any, Any]]:
             for new in (random._get_cuda_rng_state, random._set_cuda_rng_state)]
 
 
+def _te_min_version(original: Any, device: Device) -> Any:
+    utils = sys.modules["megatron.core.utils"]
+
+    def is_te_min_version(version: str, check_equality: bool = True) -> bool:
+        if utils.get_te_version() is None:
+            return False
+        return original(version, check_equality)
+
+    is_te_min_version.__devshim_original__ = original  # type: ignore[attr-defined]
+    return is_te_min_version
+
+
+def _te_pairs(device: Device) -> list[tuple[Any, Any]]:
+    new = sys.modules["megatron.core.utils"].is_te_min_version
+    return [(getattr(new, "__devshim_original__", None), new)]
+
+
+def _move_to_host(original: Any, device: Device) -> Any:
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if not torch.is_tensor(tensor) or tensor.device.type not in (device.type, "cuda"):
+            return tensor
+        host = tensor.to(torch.device("cpu"), non_blocking=True)
+        if record_stream and tensor.device.type != "cpu":
+            tensor.record_stream(device.current_stream())
+        return host.numpy() if as_numpy else host
+
+    maybe_move_tensor_to_cpu.__devshim_original__ = original  # type: ignore[attr-defined]
+    return maybe_move_tensor_to_cpu
+
+
+def _moe_pairs(device: Device) -> list[tuple[Any, Any]]:
+    new = sys.modules[MOE_UTILS].maybe_move_tensor_to_cpu
+    return [(getattr(new, "__devshim_original__", None), new)]
+
+
+def _load_ready_sharded_state_dict(original: Any, device: Device) -> Any:
+    distrib = sys.modules["megatron.core.optimizer.distrib_optimizer"]
+
+    def sharded_state_dict(self: Any, model_sharded_state_dict: Any, is_loading: bool = False, *args: Any,
+                           **kwargs: Any) -> Any:
+        if is_loading and not distrib.HAVE_APEX_OR_TE and not self.optimizer.state:
+            self._init_optimizer_states_with_dummy_values()  # replaced in place by the load
+        return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    sharded_state_dict.__devshim_original__ = original  # type: ignore[attr-defined]
+    return sharded_state_dict
+
+
+def _unshared_steps(original: Any, device: Device) -> Any:
+    def load_state_dict(self: Any, state_dict: Any) -> Any:
+        result = original(self, state_dict)
+        for state in self.optimizer.state.values():
+            step = state.get("step")
+            if torch.is_tensor(step):
+                state["step"] = step.clone()
+        return result
+
+    load_state_dict.__devshim_original__ = original  # type: ignore[attr-defined]
+    return load_state_dict
+
+
 def core_patches(device: Device) -> list[Patch]:
     from devshim_core.integrations.megatron.fused_ops import fused_patches
 
@@ -82,6 +146,33 @@ def core_patches(device: Device) -> list[Patch]:
                      make=lambda original, d: True if has_wgrad else original,
                      reason="gradient_accumulation_fusion is available exactly when the plugin provides "
                             "wgrad_accumulate; otherwise Megatron's own error names the flag"),
+        SetAttribute(name="te-version-check", target="megatron.core.utils:is_te_min_version",
+                     make=_te_min_version,
+                     reason="compares None >= Version (TypeError) when TransformerEngine is absent; absent is 'no'"),
+        RebindReferences(name="te-version-check-references", scope="megatron", pairs=_te_pairs,
+                         reason="most of megatron imports is_te_min_version by name"),
+        SetAttribute(name="moe-router-gemm", target=f"{MOE_UTILS}:te_general_gemm",
+                     make=lambda original, d: original,  # None when TE is absent: the router's torch path
+                     reason="megatron-core 0.16.1 defines te_general_gemm only when TE imports; the MoE router then "
+                            "raises NameError instead of taking its torch.mm path"),
+        SetAttribute(name="moe-splits-to-host", target=f"{MOE_UTILS}:maybe_move_tensor_to_cpu",
+                     make=_move_to_host,
+                     reason="the all-to-all token dispatcher moves split sizes to the host only if `.is_cuda`; on "
+                            "another device they stay tensors and all_to_all_single rejects them"),
+        RebindReferences(name="moe-splits-to-host-references", scope="megatron.core.transformer.moe",
+                         pairs=_moe_pairs, reason="token_dispatcher imports it by name"),
+        SetAttribute(name="distributed-optimizer-load-state",
+                     target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_state_dict",
+                     make=_load_ready_sharded_state_dict,
+                     reason="without apex or TE (always, off CUDA) state_dict() asserts one Adam step exists; a "
+                            "fresh optimizer that loads a checkpoint has none yet (Megatron-FSDP's path seeds dummy "
+                            "states first; the same is done here)"),
+        SetAttribute(name="distributed-optimizer-step-per-param",
+                     target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict",
+                     make=_unshared_steps,
+                     reason="without apex or TE, loading gives every parameter's Adam state the same `step` tensor; "
+                            "torch's Adam increments it in place once per parameter, so after a resume the bias "
+                            "correction is wrong (silently different losses)"),
         SetAttribute(name="pipeline-p2p-tags",
                      target="megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops",
                      make=pipeline_p2p.batched_p2p_ops,

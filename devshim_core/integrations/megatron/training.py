@@ -1,0 +1,95 @@
+"""Megatron-LM's training stack (``megatron.training``, from a Megatron-LM checkout) on a devshim device.
+
+Applied when ``megatron.training`` is imported. ``pretrain_gpt.py`` then runs unmodified but for
+``import devshim_core.auto`` on its first line, with its default ``--distributed-backend nccl`` (the CUDA
+redirect maps it) and default ``--transformer-impl transformer_engine`` (local, when TE is absent).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from devshim_core.device import Device
+from devshim_core.integrations.megatron.flavor import MEGATRON_CORE
+from devshim_core.patching import Patch, PatchSet, RebindReferences, SetAttribute, SetEnvironment
+
+INITIALIZE = "megatron.training.initialize"
+ARGUMENTS = "megatron.training.arguments"
+
+
+def _have_transformer_engine() -> bool:
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):  # blocked by devshim off CUDA, or a broken install
+        return False
+
+
+def _validate_args(original: Callable[..., Any], device: Device) -> Callable[..., Any]:
+    def validate_args(args: Any, defaults: dict[str, Any] | None = None) -> Any:
+        if getattr(args, "transformer_impl", None) == "transformer_engine" and not _have_transformer_engine():
+            args.transformer_impl = "local"
+            if getattr(args, "rank", 0) == 0:
+                print(f"devshim: TransformerEngine is not available on {device.type}: --transformer-impl "
+                      "transformer_engine -> local (Megatron's own modules, on the plugin's fused kernels)",
+                      flush=True)
+        return original(args, defaults or {})
+
+    validate_args.__devshim_original__ = original  # type: ignore[attr-defined]
+    return validate_args
+
+
+def _compile_dependencies(original: Callable[..., Any], device: Device) -> Callable[..., Any]:
+    def _compile_dependencies() -> None:
+        # the dataset index helpers ship compiled with megatron-core; Megatron-LM rebuilds them with `make` in
+        # the installed package, which has no Makefile. The legacy fused kernels are CUDA sources: never built.
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+            from megatron.core.datasets.utils import compile_helpers
+
+            compile_helpers()
+
+    _compile_dependencies.__devshim_original__ = original  # type: ignore[attr-defined]
+    return _compile_dependencies
+
+
+def _skip_jit_warmup(original: Callable[..., Any], device: Device) -> Callable[..., Any]:
+    def _warmup_jit_function() -> None:
+        return None  # warms CUDA fusers for CUDA dtypes; off CUDA the fused functions compile on first use
+
+    _warmup_jit_function.__devshim_original__ = original  # type: ignore[attr-defined]
+    return _warmup_jit_function
+
+
+def _replaced_pairs(device: Device) -> list[tuple[Any, Any]]:
+    pairs = []
+    for module_name, attr in ((ARGUMENTS, "validate_args"), (INITIALIZE, "_compile_dependencies"),
+                              (INITIALIZE, "_warmup_jit_function")):
+        new = getattr(sys.modules[module_name], attr)
+        pairs.append((getattr(new, "__devshim_original__", None), new))
+    return pairs
+
+
+def training_patches() -> list[Patch]:
+    return [
+        SetEnvironment(
+            name="cuda-device-max-connections", values={"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+            reason="validate_args asserts it for TP/CP below Blackwell (the device reports arch 0); it orders CUDA "
+                   "work queues and means nothing off CUDA"),
+        SetAttribute(name="validate-args", target=f"{ARGUMENTS}:validate_args", make=_validate_args,
+                     reason="the default --transformer-impl transformer_engine needs TE; without it, local"),
+        SetAttribute(name="compile-dependencies", target=f"{INITIALIZE}:_compile_dependencies",
+                     make=_compile_dependencies,
+                     reason="rank 0 runs `make` in the installed megatron-core (no Makefile: the others hang at the "
+                            "barrier) and loads CUDA fused kernels"),
+        SetAttribute(name="jit-warmup", target=f"{INITIALIZE}:_warmup_jit_function", make=_skip_jit_warmup,
+                     reason="warms up CUDA JIT fusers on device='cuda' with CUDA dtypes"),
+        RebindReferences(name="training-references", scope="megatron", pairs=_replaced_pairs,
+                         reason="initialize.py imports validate_args by name"),
+    ]
+
+
+def training_patch_set(device: Device) -> PatchSet:
+    return PatchSet(name="megatron.training", requires=(MEGATRON_CORE,), patches=tuple(training_patches()),
+                    reason=f"run Megatron-LM's training stack (pretrain_gpt.py) on {device.type}")
