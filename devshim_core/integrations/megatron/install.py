@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
 from devshim_core import import_hooks
 from devshim_core.device import Device
@@ -12,14 +14,22 @@ from devshim_core.integrations.megatron.patches import EXTENSION_MODULES, core_p
 from devshim_core.patching import REGISTRY
 
 CORE = "megatron.core"
+JIT = "megatron.core.jit"
 TRAINING = "megatron.training"
 
 
 def _megatron_present() -> bool:
+    """Without importing it: find_spec('megatron.core') would run the ``megatron`` package, and Megatron-DeepSpeed's
+    imports its tensor-parallel layers (and DeepSpeed) before the extension modules are provided."""
+    if CORE in sys.modules:
+        return True
     try:
-        return importlib.util.find_spec(CORE) is not None
+        spec = importlib.util.find_spec("megatron")  # top level: the package is found, not run
     except (ImportError, ValueError):
         return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any(os.path.isdir(os.path.join(p, "core")) for p in spec.submodule_search_locations)
 
 
 def _record(status: str) -> None:
@@ -39,6 +49,13 @@ def _on_core_imported(device: Device) -> None:
         return
     REGISTRY.apply(core_patch_set(device), device)
     _record("applied")
+
+
+def _on_jit_imported(device: Device) -> None:
+    from devshim_core.integrations.megatron.jit import compiles_for, jit_patch_set
+
+    if not flavor.is_megatron_deepspeed() and not compiles_for(device.type):
+        REGISTRY.apply(jit_patch_set(device), device)
 
 
 def _on_training_imported(device: Device) -> None:
@@ -61,7 +78,8 @@ def install(device: Device, redirect_on: bool) -> str:
     if problem is not None:
         raise PatchError(f"devshim's Megatron integration cannot run: {problem}. Install megatron-core"
                          f"{flavor.MEGATRON_CORE.spec}, or set DEVSHIM_PATCH_MEGATRON=0 to run without it.")
-    for name, callback in ((CORE, _on_core_imported), (TRAINING, _on_training_imported)):
+    hooks = ((JIT, _on_jit_imported), (CORE, _on_core_imported), (TRAINING, _on_training_imported))
+    for name, callback in hooks:
         import_hooks.after_import(name, lambda module, callback=callback: callback(device))
     if imported_first:
         if flavor.is_megatron_deepspeed():
@@ -71,7 +89,7 @@ def install(device: Device, redirect_on: bool) -> str:
 
 
 def uninstall() -> None:
-    for name in (CORE, TRAINING):
+    for name in (JIT, CORE, TRAINING):
         import_hooks.cancel(name)
-    for name in ("megatron.training", "megatron-deepspeed", "megatron-core", EXTENSION_MODULES.name):
+    for name in ("megatron.training", "megatron-core", "megatron-core:jit", EXTENSION_MODULES.name):
         REGISTRY.revert(name)
