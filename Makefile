@@ -10,7 +10,7 @@ BUILD_INPUTS := pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml r
 # a test run never compiles DeepSpeed ops; a stray attempt would land here, not in ~/.cache
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo megatron-demo test lint bench clean
 
 install: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: $(STAMP)
 	# DEVSHIM_AUTO=1 covers the launcher process too: it sizes the job with devshim's device_count()
 	DEVSHIM_AUTO=1 DEVSHIM_CPU_DEVICE_COUNT=$${DEMO_RANKS:-2} OMP_NUM_THREADS=1 $(VENV)/bin/deepspeed \
 		--master_port $${DEMO_PORT:-29511} examples/train_gpt.py --zero-stage 2 --steps $${DEMO_STEPS:-30}
+
+# a small GPT trained by megatron-core with TP 2 + sequence parallel on 2 ranks, through the selected plugin
+megatron-demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 --master-port $${DEMO_PORT:-29512} \
+		examples/megatron_gpt.py --tp 2 --sequence-parallel --steps $${DEMO_STEPS:-6}
 
 # the main suite, then the emulated-device suites, each vendor in a process of its own (one PrivateUse1 name
 # per process); the emulator is built once into ~/.cache/devshim and shared by every run and e2e job

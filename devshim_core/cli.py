@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                             ("plugins", "list the installed plugins and which one would be selected")):
         command = sub.add_parser(name, help=help_text)
         command.add_argument("--json", action="store_true", help="machine-readable output")
+    command = sub.add_parser("patches", help="activate, import the installed frameworks, list every patch applied")
+    command.add_argument("--markdown", action="store_true", help="as the Markdown table in docs/patches.md")
     command = sub.add_parser("check", help="list a script's CUDA-only constructs: redirected, or what to change")
     command.add_argument("paths", nargs="+", metavar="PATH", help="Python files, or directories scanned for *.py")
     command.add_argument("--json", action="store_true", help="the findings as a JSON list")
@@ -145,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "check":
             return check(args.paths, args.json)
+        if args.command == "patches":
+            from devshim_core.patch_table import collect, markdown
+
+            rows = collect()
+            print(markdown(rows) if args.markdown else json.dumps(rows, indent=2, default=str))
+            return 0
         report = info_report() if args.command == "info" else plugins_report()
     except DevshimError as exc:  # configuration errors: say what to fix, no traceback
         print(f"devshim: {exc}", file=sys.stderr)

@@ -34,6 +34,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from devshim_core.profiling import StepProfiler
+
 
 @dataclass
 class Options:
@@ -63,6 +65,10 @@ class Options:
     save: str | None = None  # model and optimizer state after the last step
     resume: str | None = None  # model and optimizer state written by --save; training goes on at --start-step
     start_step: int = 0
+    profile_steps: str | None = None  # "N-M": record steps N..M (inclusive) with torch.profiler
+    profile_ranks: str = "0"
+    profile_memory: bool = False
+    profile_dir: str = "profile"
     report: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -266,8 +272,15 @@ def run(o: Options) -> dict[str, Any]:
     if o.resume:
         load(o.resume, chunks, optimizer)
     losses, norms = [], []
+    profiler = None
+    if o.profile_steps:  # MindSpeed's --profile-step-start/end, --profile-ranks, --profile-with-memory
+        first, _, last = o.profile_steps.partition("-")
+        profiler = StepProfiler(int(first), int(last or first) + 1, [int(r) for r in o.profile_ranks.split(",")],
+                                with_memory=o.profile_memory, output_dir=o.profile_dir)
     for step in range(o.start_step, o.start_step + o.steps):
         loss, norm = train_step(o, chunks, optimizer, step)
+        if profiler is not None:
+            profiler.step()
         losses.append(loss)
         norms.append(norm)
         if dist.get_rank() == 0:

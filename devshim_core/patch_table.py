@@ -1,0 +1,36 @@
+"""The table of every patch devshim applies, generated from the registry (``devshim patches --markdown``).
+
+Activates devshim as a script would, imports each installed framework so that armed patch sets fire, then
+renders ``REGISTRY.report()``: nothing in the table is written by hand.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from devshim_core.patching import REGISTRY
+from devshim_core.session import activate
+
+# what a Megatron or DeepSpeed script imports; each fires the patch sets armed for it
+_FRAMEWORK_MODULES = ("deepspeed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer")
+
+
+def collect() -> list[dict[str, object]]:
+    session = activate()
+    for name in _FRAMEWORK_MODULES:
+        if importlib.util.find_spec(name.partition(".")[0]) is not None:
+            importlib.import_module(name)
+    rows = REGISTRY.report()
+    for row in rows:
+        row["plugin"] = session.device.plugin
+    return rows
+
+
+def markdown(rows: list[dict[str, object]]) -> str:
+    lines = ["| set | patch | target | versions | why |", "|---|---|---|---|---|"]
+    for r in rows:
+        requires = ", ".join(f"{d} {s}" for d, s in r["requires"].items()) or "-"  # type: ignore[union-attr]
+        cells = [str(r["set"]), str(r["name"]), f"`{r['target']}`", requires, str(r["reason"])]
+        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return "\n".join(lines)
