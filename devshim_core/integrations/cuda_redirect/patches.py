@@ -87,7 +87,7 @@ def patch_set(device: Device) -> PatchSet:
                 "to": wrappers.method_to(originals["to"], devices),
                 "cuda": wrappers.tensor_cuda(originals["cuda"], devices),
                 "type": tensor_type(originals["type"], devices, classes),
-                **{n: wrappers.device_keyword_method(originals[n], devices)
+                **{n: wrappers.device_keyword(originals[n], devices)
                    for n in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")}},
             reason="Tensor.to('cuda'/N), .cuda() and .new_*(device='cuda') reach the selected device; .type() "
                    "names its tensors as CUDA does (Megatron's distributed optimizer checks those names)"),
@@ -96,7 +96,7 @@ def patch_set(device: Device) -> PatchSet:
             make=lambda originals, _device: {
                 "to": wrappers.method_to(originals["to"], devices),
                 "cuda": wrappers.module_cuda(originals["cuda"], devices),
-                "to_empty": wrappers.device_keyword_method(originals["to_empty"], devices)},
+                "to_empty": wrappers.device_keyword(originals["to_empty"], devices)},
             reason="model.cuda() and model.to('cuda'/N) move the model to the selected device"),
         SetAttributes(
             name="autocast", target="torch.amp.autocast_mode:autocast", names=("__init__",),

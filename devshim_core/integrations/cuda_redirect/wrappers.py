@@ -35,8 +35,9 @@ def _register_for_torchscript(wrapper: Callable[..., Any], original: Callable[..
         _register_builtin(wrapper, op)
 
 
-def factory(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
-    """``torch.zeros(..., device='cuda')``: every torch factory takes ``device`` by keyword."""
+def device_keyword(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+    """A ``device=`` keyword mapped: functions, and methods alike (``self`` rides in ``args``), e.g.
+    ``Tensor.new_zeros(..., device='cuda')``, ``Module.to_empty(device='cuda')``."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -45,7 +46,12 @@ def factory(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., A
                 kwargs["device"] = devices(device)
         return original(*args, **kwargs)
 
-    wrapped = _marked(call, original)
+    return _marked(call, original)
+
+
+def factory(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+    """``torch.zeros(..., device='cuda')``: every torch factory takes ``device`` by keyword."""
+    wrapped = device_keyword(original, devices)
     _register_for_torchscript(wrapped, original)
     return wrapped
 
@@ -81,19 +87,6 @@ def method_to(original: Callable[..., Any], devices: DeviceMap) -> Callable[...,
         return original(self, *args, **kwargs)
 
     return _marked(to, original)
-
-
-def device_keyword_method(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
-    """``Tensor.new_zeros(..., device='cuda')``, ``Module.to_empty(device='cuda')``."""
-
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            device = kwargs.get("device")
-            if device is not None:
-                kwargs["device"] = devices(device)
-        return original(self, *args, **kwargs)
-
-    return _marked(method, original)
 
 
 def tensor_cuda(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
