@@ -328,6 +328,21 @@ class RebindReferences(Patch):
         return undo, f"{len(done)} references rebound"
 
 
+def replaced_functions(*targets: str) -> Callable[[Device], list[tuple[Any, Any]]]:
+    """``pairs`` for :class:`RebindReferences`: (original, replacement) for each ``'module:attr'`` that a
+    :class:`SetAttribute` replaced with a function carrying ``__devshim_original__``."""
+
+    def pairs(device: Device) -> list[tuple[Any, Any]]:
+        found = []
+        for target in targets:
+            module_name, _, attr = target.partition(":")
+            new = getattr(sys.modules[module_name], attr)
+            found.append((getattr(new, "__devshim_original__", None), new))
+        return found
+
+    return pairs
+
+
 @dataclass(frozen=True)
 class PatchSet:
     """Patches that only make sense together, for the versions in ``requires`` (and each patch's own)."""

@@ -16,7 +16,14 @@ import torch
 from devshim_core.device import Device
 from devshim_core.integrations.megatron import extension_modules, pipeline_p2p, rng, unserved_flags
 from devshim_core.integrations.megatron.flavor import MEGATRON_CORE
-from devshim_core.patching import Patch, PatchSet, ProvideModules, RebindReferences, SetAttribute
+from devshim_core.patching import (
+    Patch,
+    PatchSet,
+    ProvideModules,
+    RebindReferences,
+    SetAttribute,
+    replaced_functions,
+)
 
 RANDOM = "megatron.core.tensor_parallel.random"
 LAYERS = "megatron.core.tensor_parallel.layers"
@@ -51,12 +58,6 @@ def _checkpoint_init(original: Any, device: Device) -> Any:
     return __init__
 
 
-def _rng_pairs(device: Device) -> list[tuple[Any, Any]]:
-    random = sys.modules[RANDOM]
-    return [(getattr(new, "__devshim_original__", None), new)
-            for new in (random._get_cuda_rng_state, random._set_cuda_rng_state)]
-
-
 def _te_min_version(original: Any, device: Device) -> Any:
     utils = sys.modules["megatron.core.utils"]
 
@@ -67,11 +68,6 @@ def _te_min_version(original: Any, device: Device) -> Any:
 
     is_te_min_version.__devshim_original__ = original  # type: ignore[attr-defined]
     return is_te_min_version
-
-
-def _te_pairs(device: Device) -> list[tuple[Any, Any]]:
-    new = sys.modules["megatron.core.utils"].is_te_min_version
-    return [(getattr(new, "__devshim_original__", None), new)]
 
 
 def _move_to_host(original: Any, device: Device) -> Any:
@@ -85,11 +81,6 @@ def _move_to_host(original: Any, device: Device) -> Any:
 
     maybe_move_tensor_to_cpu.__devshim_original__ = original  # type: ignore[attr-defined]
     return maybe_move_tensor_to_cpu
-
-
-def _moe_pairs(device: Device) -> list[tuple[Any, Any]]:
-    new = sys.modules[MOE_UTILS].maybe_move_tensor_to_cpu
-    return [(getattr(new, "__devshim_original__", None), new)]
 
 
 def _load_ready_sharded_state_dict(original: Any, device: Device) -> Any:
@@ -132,7 +123,8 @@ def core_patches(device: Device) -> list[Patch]:
                      reason="the tensor-parallel RNG tracker reads the plugin's generator"),
         SetAttribute(name="set-rng-state", target=f"{RANDOM}:_set_cuda_rng_state", make=rng.set_state,
                      reason="_lazy_call never runs off CUDA: fork() would silently never restore the RNG state"),
-        RebindReferences(name="rng-state-references", scope="megatron", pairs=_rng_pairs,
+        RebindReferences(name="rng-state-references", scope="megatron",
+                         pairs=replaced_functions(f"{RANDOM}:_get_cuda_rng_state", f"{RANDOM}:_set_cuda_rng_state"),
                          reason="modules that imported the two RNG helpers by name"),
         SetAttribute(name="checkpoint-without-output-fp8",
                      target=f"{RANDOM}:CheckpointWithoutOutput.__init__", make=_checkpoint_init,
@@ -149,7 +141,8 @@ def core_patches(device: Device) -> list[Patch]:
         SetAttribute(name="te-version-check", target="megatron.core.utils:is_te_min_version",
                      make=_te_min_version,
                      reason="compares None >= Version (TypeError) when TransformerEngine is absent; absent is 'no'"),
-        RebindReferences(name="te-version-check-references", scope="megatron", pairs=_te_pairs,
+        RebindReferences(name="te-version-check-references", scope="megatron",
+                         pairs=replaced_functions("megatron.core.utils:is_te_min_version"),
                          reason="most of megatron imports is_te_min_version by name"),
         SetAttribute(name="moe-router-gemm", target=f"{MOE_UTILS}:te_general_gemm",
                      make=lambda original, d: original,  # None when TE is absent: the router's torch path
@@ -160,7 +153,8 @@ def core_patches(device: Device) -> list[Patch]:
                      reason="the all-to-all token dispatcher moves split sizes to the host only if `.is_cuda`; on "
                             "another device they stay tensors and all_to_all_single rejects them"),
         RebindReferences(name="moe-splits-to-host-references", scope="megatron.core.transformer.moe",
-                         pairs=_moe_pairs, reason="token_dispatcher imports it by name"),
+                         pairs=replaced_functions(f"{MOE_UTILS}:maybe_move_tensor_to_cpu"),
+                         reason="token_dispatcher imports it by name"),
         SetAttribute(name="distributed-optimizer-load-state",
                      target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_state_dict",
                      make=_load_ready_sharded_state_dict,

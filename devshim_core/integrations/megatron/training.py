@@ -8,13 +8,19 @@ redirect maps it) and default ``--transformer-impl transformer_engine`` (local, 
 from __future__ import annotations
 
 import importlib.util
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from devshim_core.device import Device
 from devshim_core.integrations.megatron.flavor import MEGATRON_CORE
-from devshim_core.patching import Patch, PatchSet, RebindReferences, SetAttribute, SetEnvironment
+from devshim_core.patching import (
+    Patch,
+    PatchSet,
+    RebindReferences,
+    SetAttribute,
+    SetEnvironment,
+    replaced_functions,
+)
 
 INITIALIZE = "megatron.training.initialize"
 ARGUMENTS = "megatron.training.arguments"
@@ -62,15 +68,6 @@ def _skip_jit_warmup(original: Callable[..., Any], device: Device) -> Callable[.
     return _warmup_jit_function
 
 
-def _replaced_pairs(device: Device) -> list[tuple[Any, Any]]:
-    pairs = []
-    for module_name, attr in ((ARGUMENTS, "validate_args"), (INITIALIZE, "_compile_dependencies"),
-                              (INITIALIZE, "_warmup_jit_function")):
-        new = getattr(sys.modules[module_name], attr)
-        pairs.append((getattr(new, "__devshim_original__", None), new))
-    return pairs
-
-
 def training_patches() -> list[Patch]:
     return [
         SetEnvironment(
@@ -85,7 +82,9 @@ def training_patches() -> list[Patch]:
                             "barrier) and loads CUDA fused kernels"),
         SetAttribute(name="jit-warmup", target=f"{INITIALIZE}:_warmup_jit_function", make=_skip_jit_warmup,
                      reason="warms up CUDA JIT fusers on device='cuda' with CUDA dtypes"),
-        RebindReferences(name="training-references", scope="megatron", pairs=_replaced_pairs,
+        RebindReferences(name="training-references", scope="megatron",
+                         pairs=replaced_functions(f"{ARGUMENTS}:validate_args", f"{INITIALIZE}:_compile_dependencies",
+                                                  f"{INITIALIZE}:_warmup_jit_function"),
                          reason="initialize.py imports validate_args by name"),
     ]
 
