@@ -24,11 +24,6 @@ pytestmark = pytest.mark.e2e
 JOB = Path(__file__).with_name("megatron_job.py")
 RTOL = 1e-5
 NORM_RTOL = 1e-4
-# open: on the emulated npu/tpu, layouts with tensor or expert parallelism drift from the single-rank run after a
-# few steps (TP: 2e-4..5e-4 relative at step 3; MoE EP 2: 2e-5 at step 1, 5e-3 at step 2), while PP, the
-# distributed optimizer and the overlapped buffers match exactly, and the CPU matches everywhere. Cause not found
-# (suspect: the emulator's asynchronous collectives in the TP backward); recorded in docs/megatron.md.
-EMULATED_DRIFT = frozenset({"tp2", "tp2_sp", "recompute_full", "recompute_selective", "moe_ep2"})
 DENSE_LAYOUTS = ("tp2", "tp2_sp", "pp2_vpp2", "recompute_full", "recompute_selective", "distributed_optimizer",
                  "overlap_grad_reduce_param_gather")
 
@@ -54,12 +49,10 @@ def _results(job: Job, path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _check(platform: Platform, layout: str, got: dict, want: dict) -> None:
-    """Losses and grad norms as the single-rank run's; a known open drift is reported as xfail, with the numbers."""
+def _check(layout: str, got: dict, want: dict) -> None:
+    """Losses and grad norms as the single-rank run's, on every platform."""
     problems = [f"{key} {got[key]} vs {want[key]}" for key, rtol in (("losses", RTOL), ("grad_norms", NORM_RTOL))
                 if not _close(got[key], want[key], rtol)]
-    if problems and platform.emulated and layout in EMULATED_DRIFT:
-        pytest.xfail(f"open drift on the emulated {platform.device_type}: {layout}: {'; '.join(problems)}")
     assert not problems, f"{layout}: {'; '.join(problems)}"
 
 
@@ -88,14 +81,14 @@ def test_the_single_rank_reference_learns(runs: tuple[Platform, dict, dict]) -> 
 
 @pytest.mark.parametrize("layout", DENSE_LAYOUTS)
 def test_a_parallel_layout_reproduces_the_single_rank_run(runs: tuple[Platform, dict, dict], layout: str) -> None:
-    platform, reference, parallel = runs
-    _check(platform, layout, parallel["results"][layout], reference["results"]["dense"])
+    _, reference, parallel = runs
+    _check(layout, parallel["results"][layout], reference["results"]["dense"])
 
 
 def test_mixture_of_experts_with_expert_parallel_2_reproduces_the_single_rank_run(
         runs: tuple[Platform, dict, dict]) -> None:
-    platform, reference, parallel = runs
-    _check(platform, "moe_ep2", parallel["results"]["moe_ep2"], reference["results"]["moe"])
+    _, reference, parallel = runs
+    _check("moe_ep2", parallel["results"]["moe_ep2"], reference["results"]["moe"])
 
 
 def test_a_resume_from_a_dist_checkpoint_equals_the_uninterrupted_run(runs: tuple[Platform, dict, dict]) -> None:

@@ -424,6 +424,22 @@ def test_a_zero_dim_host_tensor_is_a_scalar_and_allowed_with_a_device_tensor(dev
     assert result.device == dev.torch_device(1)
     assert result.cpu().tolist() == [2.5, 2.5, 2.5]
 
+def test_moving_a_module_to_the_device_and_back_keeps_each_parameter_object_and_its_attributes(dev):
+    # As the vendor runtimes answer _has_compatible_shallow_copy_type: without it Module.to builds new Parameters,
+    # and Megatron's tensor_model_parallel / sequence_parallel / allreduce flags vanish (wrong TP grad norms).
+    module = torch.nn.Linear(3, 2)
+    weight = module.weight
+    weight.tensor_model_parallel = True
+    module.to(dev.torch_device(1))
+    assert module.weight is weight and weight.device == dev.torch_device(1)
+    assert weight.tensor_model_parallel is True
+    module(torch.ones(1, 3, device=dev.torch_device(1))).sum().backward()
+    assert weight.grad.device == dev.torch_device(1)
+    module.cpu()
+    assert module.weight is weight and weight.device.type == "cpu" and weight.grad.device.type == "cpu"
+    assert weight.grad.tolist() == [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+
+
 
 # -- allocator settings ----------------------------------------------------------------------------------------------
 

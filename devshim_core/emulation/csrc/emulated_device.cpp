@@ -571,6 +571,17 @@ at::Tensor view(const at::Tensor& self, c10::SymIntArrayRef size) {
 
 void record_stream(at::Tensor&, c10::Stream) {}  // synchronous device: nothing to keep alive
 
+// As the vendor runtimes register it: a host tensor and a device tensor are both dense, so `param.data = moved`
+// is allowed and Module.to/.cuda keep each Parameter object, with the attributes frameworks set on it (Megatron's
+// tensor_model_parallel, sequence_parallel, allreduce). torch's default answers false for PrivateUse1, and the
+// move would then build new Parameters without them.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  const auto dense = [](c10::DispatchKeySet keys) {
+    return keys.has(c10::DispatchKey::CPU) || keys.has(c10::DispatchKey::PrivateUse1);
+  };
+  return self.key_set() == from.key_set() || (dense(self.key_set()) && dense(from.key_set()));
+}
+
 // -- the fallback: CPU kernels, after the checks the real device would make -------------------------
 
 // ops whose index operands may stay on the host, as on CUDA
@@ -664,6 +675,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage_storage_offset", set_source_storage_offset);
   m.impl("view", view);
   m.impl("record_stream", record_stream);
+  m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
