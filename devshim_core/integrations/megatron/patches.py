@@ -96,13 +96,19 @@ def _load_ready_sharded_state_dict(original: Any, device: Device) -> Any:
     return sharded_state_dict
 
 
-def _unshared_steps(original: Any, device: Device) -> Any:
+def _checkpoint_steps(original: Any, device: Device) -> Any:
     def load_state_dict(self: Any, state_dict: Any) -> Any:
         result = original(self, state_dict)
-        for state in self.optimizer.state.values():
-            step = state.get("step")
-            if torch.is_tensor(step):
-                state["step"] = step.clone()
+        # The checkpoint's iteration is the param group's "step" (what state_dict() wrote). Megatron gives all
+        # parameters one shared tensor of it, and the dp_reshardable load then copies each parameter's placeholder
+        # step (from the dummy states) over it.
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                state = self.optimizer.state.get(param, {})
+                step = state.get("step")
+                if torch.is_tensor(step):
+                    value = group.get("step", step)
+                    state["step"] = torch.tensor(float(value), dtype=step.dtype, device=step.device)
         return result
 
     load_state_dict.__devshim_original__ = original  # type: ignore[attr-defined]
@@ -163,10 +169,11 @@ def core_patches(device: Device) -> list[Patch]:
                             "states first; the same is done here)"),
         SetAttribute(name="distributed-optimizer-step-per-param",
                      target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict",
-                     make=_unshared_steps,
-                     reason="without apex or TE, loading gives every parameter's Adam state the same `step` tensor; "
-                            "torch's Adam increments it in place once per parameter, so after a resume the bias "
-                            "correction is wrong (silently different losses)"),
+                     make=_checkpoint_steps,
+                     reason="without apex or TE, a load gives every parameter's Adam state one shared `step` tensor "
+                            "(torch's Adam increments it once per parameter) and the dp_reshardable load then "
+                            "overwrites it with the placeholder step; each parameter gets its own, the checkpoint's. "
+                            "Either way a resume silently trains with the wrong bias correction"),
         SetAttribute(name="pipeline-p2p-tags",
                      target="megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops",
                      make=pipeline_p2p.batched_p2p_ops,
