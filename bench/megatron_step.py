@@ -75,7 +75,8 @@ def _check_paths(contender: str, paths: dict[str, Any]) -> None:
         raise RuntimeError(f"the {contender} run resolved the wrong paths: {paths}")
 
 
-def _train(contender: str, sizes: dict[str, int], steps: int, workdir: Path) -> dict[str, Any]:
+def _train(contender: str, sizes: dict[str, int], steps: int, workdir: Path,
+           profile_step: int | None = None) -> dict[str, Any]:
     report = workdir / f"{contender}-{time.monotonic_ns()}.json"
     flag, extra = CONTENDERS[contender]
     env = environment_without_devshim()
@@ -84,7 +85,8 @@ def _train(contender: str, sizes: dict[str, int], steps: int, workdir: Path) -> 
         env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--master-addr=127.0.0.1",
            f"--master-port={_free_port()}", str(DRIVER), flag, "--steps", str(steps), "--report", str(report),
-           *(f"--{k}={v}" for k, v in sizes.items())]
+           *(f"--{k}={v}" for k, v in sizes.items()),
+           *(["--profile-step", str(profile_step)] if profile_step is not None else [])]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{contender} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -134,3 +136,33 @@ def run(quick: bool = False) -> list[Result]:
                  "geomean_ratio": ratio, "max_rss_bytes": rss, "max_memory_allocated": allocated,
                  "max_loss_rel_diff": loss_diff})
     return [step, *memory]
+
+
+# GEMMs: what no fused path replaces (the fused attention's own block products included)
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
+
+
+def breakdown(sizes: dict[str, int] = SIZES) -> dict[str, dict[str, Any]]:
+    """Rank 0's self CPU time per op in one profiled step (the 4th) of each contender: where a step goes, and so
+    the best ratio the fused paths could reach if everything but the GEMMs vanished. Informational: profiled,
+    one run each, never judged."""
+    shares: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for contender in CONTENDERS:
+            ops = _train(contender, sizes, WARMUP + 2, Path(tmp), profile_step=WARMUP + 1)["op_self_seconds"]
+            total = sum(ops.values())
+            gemm = sum(ops.get(op, 0.0) for op in GEMM_OPS)
+            top = sorted(ops.items(), key=lambda kv: -kv[1])[:8]
+            shares[contender] = {"total_s": total, "gemm_s": gemm, "gemm_share": gemm / total, "top": top}
+    return shares
+
+
+if __name__ == "__main__":  # python -m bench.megatron_step: the per-op breakdown of both contenders
+    result = breakdown()
+    for name, row in result.items():
+        print(f"{name}: profiled step {row['total_s']:.3f} s of self CPU time, GEMMs {row['gemm_s']:.3f} s "
+              f"({100 * row['gemm_share']:.0f}%)")
+        for op, seconds in row["top"]:
+            print(f"    {op:60s} {seconds:8.3f} s")
+    print(f"fused GEMMs / unfused total: {result['fused']['gemm_s'] / result['redirect']['total_s']:.3f} "
+          "(a floor for fused / unfused if the GEMMs stay as they are)")

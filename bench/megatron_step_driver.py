@@ -13,7 +13,9 @@ and has rank 0 write a JSON report:
   this driver queries after every step, after ``torch.cuda.reset_peak_memory_stats()`` once the model,
   its DDP buffers and optimizer are built);
 - ``paths``: which implementation each fused path resolved to, so the benchmark can refuse to compare the
-  wrong pair.
+  wrong pair;
+- ``op_self_seconds`` (only with ``--profile-step N``): rank 0's self CPU time per op during step N, recorded
+  with torch.profiler (for the breakdown, never for the timed comparison: the profiler slows the step).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--profile-step", type=int, default=None)
     p.add_argument("--report", required=True)
     a = p.parse_args()
     o = megatron_gpt.Options(tp=a.tp, hidden=a.hidden, heads=a.heads, seq=a.seq, layers=a.layers,
@@ -81,10 +84,18 @@ def main() -> None:
     paths = _paths(chunks)
     torch.cuda.reset_peak_memory_stats()
     step_seconds, losses = [], []
+    op_self_seconds: dict[str, float] = {}
     for step in range(o.steps):
+        profiling = step == a.profile_step and dist.get_rank() == 0
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profiling else None
+        if profiler is not None:
+            profiler.start()
         start = time.perf_counter()
         loss, _ = megatron_gpt.train_step(o, chunks, optimizer, step)
         step_seconds.append(time.perf_counter() - start)
+        if profiler is not None:
+            profiler.stop()
+            op_self_seconds = {e.key: e.self_cpu_time_total / 1e6 for e in profiler.key_averages()}
         losses.append(loss)
         torch.cuda.max_memory_allocated()  # cpu_reference samples the resident set when asked
     mine = {"rank": dist.get_rank(), "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -94,7 +105,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         pathlib.Path(a.report).write_text(json.dumps(
             {"fused": o.fused, "step_seconds": step_seconds, "losses": losses, "ranks": ranks, "paths": paths,
-             "world_size": dist.get_world_size(), "tp": o.tp}))
+             "world_size": dist.get_world_size(), "tp": o.tp,
+             "op_self_seconds": op_self_seconds}))
     dist.barrier()
     megatron_gpt.parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -28,6 +28,7 @@ from devshim_core.records import (
     OptimizerKernels,
 )
 from devshim_core.selection import Selection
+from devshim_core.stream_context import reusable
 
 # plugins whose CollectivesSpec.prepare ran in this process: a backend is registered once per process
 _prepared_plugins: set[str] = set()
@@ -74,13 +75,13 @@ class Device:
         if traits.streams:
             self.Stream = module.Stream
             self.Event = module.Event
-            self.stream = module.stream
+            self.stream = reusable(module.stream)
             self.current_stream = module.current_stream
             self.default_stream = module.default_stream
         else:  # host-synchronous bookkeeping: contexts and timings are real, waits are already satisfied
             streams = HostStreams()
             self.Stream, self.Event = HostStream, HostEvent
-            self.stream = streams.stream
+            self.stream = reusable(streams.stream)
             self.current_stream = streams.current_stream
             self.default_stream = streams.default_stream
 

@@ -310,6 +310,19 @@ def test_streams_and_events_have_cudas_api(cuda):
     torch.cuda.ipc_collect()
 
 
+def test_a_stream_context_can_be_entered_again_as_megatrons_grad_buffers_do(cuda):
+    # megatron.core.distributed.param_and_grad_buffer keeps torch.cuda.stream(comm) and enters it twice per sync
+    side = torch.cuda.Stream()
+    context = torch.cuda.stream(side)
+    for _ in range(2):
+        with context:
+            assert torch.cuda.current_stream() is side
+            with context:  # nested in itself too
+                assert torch.cuda.current_stream() is side
+            assert torch.cuda.current_stream() is side
+        assert torch.cuda.current_stream() is torch.cuda.default_stream()
+
+
 def test_set_stream_makes_a_stream_current_until_the_next_set_stream(cuda):
     first, second = torch.cuda.Stream(), torch.cuda.Stream()
     default = torch.cuda.default_stream()

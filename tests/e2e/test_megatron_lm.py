@@ -22,6 +22,7 @@ TP 2 + SP + distributed optimizer vs TP 1   2, 1   with dropout 0 and the same (
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -111,3 +112,30 @@ def test_tp2_sequence_parallel_distributed_optimizer_matches_one_rank(megatron_l
     assert len(parallel_norms) == len(reference_norms) == ITERATIONS, f"{parallel_norms} vs {reference_norms}"
     assert all(abs(a - b) <= GRAD_NORM_ATOL for a, b in zip(parallel_norms, reference_norms, strict=True)), (
         f"TP2+SP+distopt vs TP1 grad norms: {parallel_norms} vs {reference_norms}\n{parallel.tail(80)}")
+
+
+def test_pytorch_profiler_flags_record_the_chosen_steps_on_the_chosen_ranks(megatron_lm: Path, tmp_path: Path) -> None:
+    """MindSpeed's --profile/--profile-step-start/--profile-step-end/--profile-ranks are Megatron-LM's own flags;
+    with --use-pytorch-profiler they drive torch.profiler, which devshim leaves to the plugin's device."""
+    traces = tmp_path / "traces"
+    job = pretrain_gpt(megatron_lm, [*TP2_SP_DISTOPT, "--profile", "--use-pytorch-profiler", "--profile-step-start",
+                                     "2", "--profile-step-end", "4", "--profile-ranks", "0", "1",
+                                     "--tensorboard-dir", str(traces)], tmp_path / "run", nproc=2)
+    assert_succeeded(job)
+    files = sorted(traces.glob("*.pt.trace.json"))
+    assert len(files) == 2, f"one trace per profiled rank expected, got {files}\n{job.tail(40)}"
+    for trace in files:
+        events = json.loads(trace.read_text())["traceEvents"]
+        steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+        assert steps == ["ProfilerStep#2", "ProfilerStep#3"], (trace.name, steps)
+        ops = {e["name"] for e in events if e.get("cat") == "cpu_op"}
+        assert {"aten::mm", "aten::addmm", "aten::matmul"} & ops, sorted(ops)[:80]  # the model's GEMMs
+        assert any("allreduce" in n or "all_reduce" in n for n in ops), sorted(ops)[:80]  # TP 2's collectives
+
+
+def test_nsight_profiling_without_the_pytorch_profiler_is_refused_naming_the_flags(megatron_lm: Path,
+                                                                                    tmp_path: Path) -> None:
+    job = pretrain_gpt(megatron_lm, ["--profile", "--profile-step-start", "2", "--profile-step-end", "4"], tmp_path,
+                       nproc=1)
+    assert job.returncode != 0
+    assert "--profile without --use-pytorch-profiler" in job.output and "--tensorboard-dir" in job.output, job.tail()

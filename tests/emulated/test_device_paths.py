@@ -162,7 +162,8 @@ def test_the_facade_and_deepspeed_call_the_vendor_modules_own_stream_and_event_a
     assert dev.traits.streams is True
     assert dev.Stream is mod.Stream is vendor_module.Stream
     assert dev.Event is mod.Event is vendor_module.Event
-    for name in ("stream", "current_stream", "default_stream", "synchronize", "set_device", "current_device",
+    # (the facade's stream() wraps the module's in a re-enterable context: the next tests enter it)
+    for name in ("current_stream", "default_stream", "synchronize", "set_device", "current_device",
                  "manual_seed", "get_rng_state", "set_rng_state"):
         bound = getattr(dev, name)
         assert bound == getattr(mod, name), f"facade {name} is not {DEVICE_TYPE}'s own"
@@ -186,6 +187,11 @@ def test_a_side_stream_context_makes_the_stream_current_and_restores_the_previou
     with pytest.raises(ZeroDivisionError), dev.stream(side):
         1 / 0  # noqa: B018
     assert dev.current_stream() == default  # restored on the way out of an exception too
+    context = dev.stream(side)  # one context, entered twice: as torch's StreamContext allows, and Megatron does
+    for _ in range(2):
+        with context:
+            assert dev.current_stream() == side
+        assert dev.current_stream() == default
 
 
 def test_a_stream_of_another_device_is_current_there_inside_the_context_and_everything_is_restored(dev, mod):

@@ -35,6 +35,13 @@ def _have_transformer_engine() -> bool:
 
 def _validate_args(original: Callable[..., Any], device: Device) -> Callable[..., Any]:
     def validate_args(args: Any, defaults: dict[str, Any] | None = None) -> Any:
+        if getattr(args, "profile", False) and not getattr(args, "use_pytorch_profiler", False):
+            # without it Megatron calls torch.cuda.cudart().cudaProfilerStart() at --profile-step-start
+            raise ValueError(
+                f"--profile without --use-pytorch-profiler drives Nsight Systems through the CUDA runtime, which "
+                f"{device.type} does not have. Add --use-pytorch-profiler --tensorboard-dir DIR: torch.profiler "
+                f"then records steps --profile-step-start..--profile-step-end on --profile-ranks through the "
+                f"plugin's device and writes one trace per rank to DIR")
         if getattr(args, "transformer_impl", None) == "transformer_engine" and not _have_transformer_engine():
             args.transformer_impl = "local"
             if getattr(args, "rank", 0) == 0:
@@ -75,7 +82,9 @@ def training_patches() -> list[Patch]:
             reason="validate_args asserts it for TP/CP below Blackwell (the device reports arch 0); it orders CUDA "
                    "work queues and means nothing off CUDA"),
         SetAttribute(name="validate-args", target=f"{ARGUMENTS}:validate_args", make=_validate_args,
-                     reason="the default --transformer-impl transformer_engine needs TE; without it, local"),
+                     reason="the default --transformer-impl transformer_engine needs TE; without it, local. "
+                            "--profile without --use-pytorch-profiler (Nsight via the CUDA runtime) is refused by "
+                            "name at once, not at --profile-step-start"),
         SetAttribute(name="compile-dependencies", target=f"{INITIALIZE}:_compile_dependencies",
                      make=_compile_dependencies,
                      reason="rank 0 runs `make` in the installed megatron-core (no Makefile: the others hang at the "
