@@ -79,7 +79,7 @@ TP_RANKS = int(os.environ.get("MEGATRON_UNIT_TEST_RANKS", "2"))
 CHUNK = 12
 SUITES = {
     "tensor_parallel": ((TENSOR_PARALLEL,) if TP_RANKS >= 8 else TENSOR_PARALLEL_TWO_RANKS, TP_RANKS,
-                        10 if TP_RANKS >= 8 else 7, 3600 if TP_RANKS >= 8 else 300, None),
+                        10 if TP_RANKS >= 8 else 7, 3600 if TP_RANKS >= 8 else 300, 4 if TP_RANKS >= 8 else None),
     # 74 items: 70 pass; 4 skip themselves (several distributed-optimizer instances without the distributed optimizer)
     "param_and_grad_buffer": (("tests/unit_tests/distributed/test_param_and_grad_buffer.py",), 2, 70, 600, CHUNK),
 }
@@ -145,8 +145,8 @@ def _pytest_main(megatron_lm: Path, targets: Sequence[str], extra: Sequence[str]
 
 
 def run_launch(megatron_lm: Path, targets: Sequence[str], ranks: int, timeout_s: float,
-               workdir: Path) -> dict[str, str]:
-    """One torchrun of ``targets`` on ``ranks`` ranks; the outcomes every rank agrees on."""
+               workdir: Path) -> tuple[dict[str, str], str]:
+    """One torchrun of ``targets`` on ``ranks`` ranks: the outcomes every rank agrees on, and the output's tail."""
     reports = workdir / "reports"
     reports.mkdir(parents=True)
     code = _pytest_main(megatron_lm, targets, ["-q", "-rfE"], junit_dir=reports)
@@ -161,9 +161,7 @@ def run_launch(megatron_lm: Path, targets: Sequence[str], ranks: int, timeout_s:
     outcomes = per_rank[0]
     for rank, other in enumerate(per_rank[1:], start=1):
         assert other == outcomes, f"rank {rank} disagrees with rank 0: {set(other.items()) ^ set(outcomes.items())}"
-    unexpected = sorted(t for t, v in outcomes.items() if v in ("failed", "error") and not is_expected_failure(t))
-    assert not unexpected, f"unexpected failures {unexpected}\n{job.tail(150)}"
-    return outcomes
+    return outcomes, job.tail(150)
 
 
 @pytest.mark.parametrize("suite", list(SUITES))
@@ -174,10 +172,17 @@ def test_megatron_unit_tests(megatron_lm: Path, suite: str, tmp_path: Path) -> N
         ids = collect(megatron_lm, targets, tmp_path)
         launches = [tuple(str(megatron_lm / i) for i in ids[k:k + chunk]) for k in range(0, len(ids), chunk)]
     outcomes: dict[str, str] = {}
-    for n, launch in enumerate(launches):
-        outcomes.update(run_launch(megatron_lm, launch, ranks, timeout_s, tmp_path / f"launch{n}"))
+    failure_output: list[str] = []
+    for n, launch in enumerate(launches):  # every launch runs, so that one failure hides no other outcome
+        launched, tail = run_launch(megatron_lm, launch, ranks, timeout_s, tmp_path / f"launch{n}")
+        outcomes.update(launched)
+        if any(v in ("failed", "error") and not is_expected_failure(t) for t, v in launched.items()):
+            failure_output.append(tail)
     if chunk:
         assert len(outcomes) == len(ids), f"{suite}: {len(ids)} collected, {len(outcomes)} reported"
     counts = {k: sum(1 for v in outcomes.values() if v == k) for k in ("passed", "failed", "error", "skipped")}
     print(f"{suite}: {counts} in {len(launches)} launch(es)")
+    print("\n".join(f"  {v}: {t}" for t, v in sorted(outcomes.items()) if v != "passed"))
+    unexpected = sorted(t for t, v in outcomes.items() if v in ("failed", "error") and not is_expected_failure(t))
+    assert not unexpected, f"{suite}: unexpected failures {unexpected} ({counts})\n" + "\n".join(failure_output)
     assert counts["passed"] >= min_passed, f"{suite}: only {counts} ({targets})"
