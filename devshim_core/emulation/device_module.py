@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from devshim_core.stream_context import StreamContext
+
 
 class DeviceProperties(NamedTuple):
     name: str
@@ -153,8 +155,13 @@ class EmulatedDeviceModule(ModuleType):
         if stream is not None:
             torch.accelerator.set_stream(stream)
 
+    def stream(self, stream: Any) -> StreamContext:
+        """``torch.npu.stream(s)``/``torch.tpu.stream(s)``: like the vendors' (and torch's) StreamContext, a
+        context that can be entered again."""
+        return StreamContext(self._stream_block, stream)
+
     @contextlib.contextmanager
-    def stream(self, stream: Any) -> Iterator[Any]:
+    def _stream_block(self, stream: Any) -> Iterator[Any]:
         """Make ``stream`` current for the block, as ``torch.cuda.stream``: setting a stream of another device
         also makes that device current, so on exit both the streams and the current device are restored."""
         if stream is None:

@@ -187,11 +187,11 @@ def test_a_side_stream_context_makes_the_stream_current_and_restores_the_previou
     with pytest.raises(ZeroDivisionError), dev.stream(side):
         1 / 0  # noqa: B018
     assert dev.current_stream() == default  # restored on the way out of an exception too
-    context = dev.stream(side)  # one context, entered twice: as torch's StreamContext allows, and Megatron does
-    for _ in range(2):
-        with context:
-            assert dev.current_stream() == side
-        assert dev.current_stream() == default
+    for context in (dev.stream(side), mod.stream(side)):  # entered twice, as torch's StreamContext allows and
+        for _ in range(2):                                 # Megatron does; the vendor module's own too
+            with context:
+                assert dev.current_stream() == side
+            assert dev.current_stream() == default
 
 
 def test_a_stream_of_another_device_is_current_there_inside_the_context_and_everything_is_restored(dev, mod):
