@@ -590,6 +590,23 @@ def test_new_group_nccl_gets_the_plugins_backend(world):
     assert dist.get_backend(group) == "gloo"
 
 
+def test_gather_and_scatter_read_their_buffers_flat_as_nccl_does(world):
+    # megatron's gather_split_1d_tensor: a [2, 4] shard gathered into a flat buffer (gloo alone: "invalid size")
+    shard = torch.arange(8.0, device="cuda").reshape(2, 4)
+    gathers = [dist.all_gather_into_tensor, dist.distributed_c10d.all_gather_into_tensor, dist._all_gather_base]
+    for gather in [*gathers, getattr(dist, "all_gather_single", dist.all_gather_into_tensor)]:
+        flat = torch.empty(8, device="cuda")
+        gather(flat, shard)
+        assert flat.tolist() == list(range(8))
+    stacked = torch.empty(1, 2, 4, device="cuda")  # torch's stacked form for all_gather_into_tensor
+    dist.all_gather_into_tensor(stacked, shard)
+    assert torch.equal(stacked[0], shard)
+    for scatter in (dist.reduce_scatter_tensor, getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)):
+        out = torch.empty(2, 4, device="cuda")
+        scatter(out, torch.arange(8.0, device="cuda"))  # gloo alone aborts the process here (a CHECK)
+        assert torch.equal(out, shard)
+
+
 # -- compilers -------------------------------------------------------------------------------------------------------
 
 def test_torchscript_code_calling_a_factory_still_compiles(cuda):

@@ -50,6 +50,11 @@ MODULE_METHODS: frozenset[str] = frozenset({"to", "cuda", "to_empty"})
 DISTRIBUTED: frozenset[str] = frozenset({"init_process_group", "new_group", "new_subgroups",
                                         "new_subgroups_by_enumeration"})
 
+# torch.distributed collectives whose two buffers NCCL reads flat, whatever their shapes
+FLAT_BUFFER_COLLECTIVES: frozenset[str] = frozenset({"all_gather_into_tensor", "_all_gather_base",
+                                                     "all_gather_single", "reduce_scatter_tensor",
+                                                     "_reduce_scatter_base", "reduce_scatter_single"})
+
 # torch.autocast / torch.amp.autocast / torch.amp.GradScaler with device_type='cuda'
 AMP_DEVICE_TYPE: frozenset[str] = frozenset({"autocast", "GradScaler"})
 

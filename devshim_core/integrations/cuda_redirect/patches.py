@@ -120,6 +120,12 @@ def patch_set(device: Device) -> PatchSet:
             name=f"nccl-backend ({module})", target=module, names=distributed,
             make=each(lambda n, o: wrappers.backend_keyword(o, devices, _BACKEND_POSITION[n])),
             reason=f"backend='nccl' becomes the {device.plugin} plugin's {device.collectives.backend!r}"))
+        patches.append(SetAttributes(
+            name=f"nccl-flat-buffers ({module})", target=module,
+            names=tuple(sorted(coverage.FLAT_BUFFER_COLLECTIVES)),
+            make=each(lambda n, o: wrappers.flat_buffers(o)),
+            reason="NCCL reads the two buffers of all_gather_into_tensor/reduce_scatter_tensor flat; gloo wants the "
+                   "output chunked like the input (Megatron's gather_split_1d_tensor: 'invalid tensor size')"))
     patches.append(RebindReferences(
         name="stale-cuda-references", scope="*", pairs=swaps.take, exclude=("devshim_core", "torch"),
         reason="`from torch.cuda import _lazy_call` (Megatron) and similar copies made before devshim activated "

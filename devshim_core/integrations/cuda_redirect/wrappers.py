@@ -131,6 +131,23 @@ def backend_keyword(original: Callable[..., Any], devices: DeviceMap, position: 
     return _marked(call, original)
 
 
+def flat_buffers(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``all_gather_into_tensor(output, input)`` / ``reduce_scatter_tensor(output, input)`` read as NCCL reads
+    them: two flat buffers, whatever their shapes (Megatron gathers a [2, 4] shard into a flat [16]). gloo
+    insists that the larger tensor splits into chunks shaped like the smaller one; given contiguous tensors whose
+    trailing shapes differ, both are passed as flat views of the same memory. Anything else goes through as is."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if len(args) >= 2:
+            output, input_ = args[0], args[1]
+            if (isinstance(output, torch.Tensor) and isinstance(input_, torch.Tensor)
+                    and output.shape[1:] != input_.shape[1:] and output.is_contiguous() and input_.is_contiguous()):
+                args = (output.view(-1), input_.view(-1), *args[2:])
+        return original(*args, **kwargs)
+
+    return _marked(call, original)
+
+
 def _is_nccl(backend: Any) -> bool:
     return backend is not None and "nccl" in str(backend).lower()
 
