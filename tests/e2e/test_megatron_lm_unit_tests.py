@@ -72,14 +72,15 @@ TP_RANKS = int(os.environ.get("MEGATRON_UNIT_TEST_RANKS", "2"))
 
 # suite: (pytest targets, ranks, minimum passed per rank, timeout per launch, items per launch or None for one
 # launch). Counts measured on 2 cores (docs/megatron-third-party.md): tensor_parallel at 2 ranks, the selection: 7
-# passed, 2 expected failures (9 items); at 8 ranks, the directory: at least the 10 that passed in the one (partial)
-# run. test_param_and_grad_buffer.py (74 items) builds a fresh set of gloo groups in every test and never destroys
-# them (Utils.destroy_model_parallel only drops the references): in one process each rank piles up thousands of
-# threads and the machine starves, so it runs in launches of CHUNK items, each a fresh pair of processes.
+# passed, 2 expected failures (9 items); at 8 ranks, the directory (27 items): 20 passed, 7 expected failures.
+# test_param_and_grad_buffer.py (74 items) builds a fresh set of gloo groups in every test and never destroys them
+# (Utils.destroy_model_parallel only drops the references): in one process each rank piles up thousands of threads
+# and the machine starves, so it runs in launches of CHUNK items, each a fresh pair of processes (8-rank
+# tensor_parallel: 4 per launch).
 CHUNK = 12
 SUITES = {
     "tensor_parallel": ((TENSOR_PARALLEL,) if TP_RANKS >= 8 else TENSOR_PARALLEL_TWO_RANKS, TP_RANKS,
-                        10 if TP_RANKS >= 8 else 7, 3600 if TP_RANKS >= 8 else 300, 4 if TP_RANKS >= 8 else None),
+                        20 if TP_RANKS >= 8 else 7, 3600 if TP_RANKS >= 8 else 300, 4 if TP_RANKS >= 8 else None),
     # 74 items: 70 pass; 4 skip themselves (several distributed-optimizer instances without the distributed optimizer)
     "param_and_grad_buffer": (("tests/unit_tests/distributed/test_param_and_grad_buffer.py",), 2, 70, 600, CHUNK),
 }
