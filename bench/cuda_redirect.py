@@ -45,7 +45,6 @@ to the above after that run, for time and for the repository's min-of-repeats ru
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -77,10 +76,6 @@ def _measure(contender: str, calls: int, loops: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _geomean(values: list[float]) -> float:
-    return math.exp(statistics.fmean(map(math.log, values)))
-
-
 def run(quick: bool = False) -> list[Result]:
     rounds, calls, loops = (2, 1_000, 3) if quick else (ROUNDS, CALLS, LOOPS)
     figures: dict[str, dict[str, list[float]]] = {case: {"plain": [], "redirect": []} for case in TARGETS}
@@ -99,7 +94,7 @@ def run(quick: bool = False) -> list[Result]:
     for case, (kind, compared) in TARGETS.items():
         plain, redirect = figures[case]["plain"], figures[case]["redirect"]
         ratio, low, high = paired_ratio(redirect, plain)
-        base = _geomean(plain)
+        base = statistics.geometric_mean(plain)
         added = [(r - 1) * base for r in (ratio, low, high)]
         if quick:
             results.append(Note(group="cuda_redirect", name=f"{case}: added per call, quick ({compared})",
@@ -113,7 +108,7 @@ def run(quick: bool = False) -> list[Result]:
             group="cuda_redirect",
             case=f"{case}: {compared} (geomean of {rounds} paired ratios, 95% CI {low:.3f}-{high:.3f}×; added "
                  f"{added[0] * 1e6:+.3f} µs, CI {added[1] * 1e6:+.3f} to {added[2] * 1e6:+.3f} µs)",
-            subject="devshim CUDA redirect (cpu_reference)", subject_seconds=_geomean(redirect),
+            subject="devshim CUDA redirect (cpu_reference)", subject_seconds=statistics.geometric_mean(redirect),
             peer="plain torch", peer_seconds=base, max_ratio=max_ratio, target=target, ci_low=low, ci_high=high,
             details={"rounds": rounds, "calls": calls, "loops": loops, "added_seconds": added,
                      "seconds_per_call": figures[case],

@@ -34,7 +34,6 @@ set it sampled; the driver resets it once the model and optimizer are built and 
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -123,7 +122,7 @@ def run(quick: bool = False) -> list[Result]:
         return [*(Note(group="megatron_step", name=f"{name}: step time, quick ({shape})",
                        value=statistics.median(medians[name]), unit="s") for name in CONTENDERS), *memory]
     ratio, low, high = paired_ratio(medians["fused"], medians["redirect"])
-    geomean = {name: math.exp(statistics.fmean(map(math.log, v))) for name, v in medians.items()}
+    geomean = {name: statistics.geometric_mean(v) for name, v in medians.items()}
     step = PairedComparison(
         group="megatron_step",
         case=f"TP {sizes['tp']} GPT step, {RANKS} ranks, hidden {sizes['hidden']}, seq {sizes['seq']} (geomean of "

@@ -131,7 +131,7 @@ def run(quick: bool = False) -> list[Result]:
                 losses.setdefault(name, report["losses"])
         ratio, low, high = paired_ratio(medians["devshim"], medians["deepspeed"])
         compiled = {name: sorted(p.name for p in cache.rglob("*") if p.is_file()) for name, cache in caches.items()}
-    geomean = {name: math.exp(statistics.fmean(map(math.log, values))) for name, values in medians.items()}
+    geomean = {name: statistics.geometric_mean(values) for name, values in medians.items()}
     result = PairedComparison(
         group="vendor_peer",
         case=f"emulated npu, steady step time, ZeRO-2 fp32, {RANKS} ranks (geomean of {ROUNDS} paired ratios, "
