@@ -4,9 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.devshim-installed
 DISTRIBUTIONS := -e . -e kernels -e plugins/cpu_reference -e plugins/ascend -e plugins/sophgo
-# what the install builds: the kernels' native sources are compiled by pip, so a change to them reinstalls
+# what the install builds: the native sources (kernels, the CUDA redirect's wrappers) are compiled by pip, so a
+# change to them reinstalls
 BUILD_INPUTS := pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml requirements-dev.txt constraints.txt \
-	build_support/* $(wildcard kernels/setup.py kernels/devshim_kernels/_native/*.c kernels/devshim_kernels/_native/*.h)
+	build_support/* setup.py devshim_core/integrations/cuda_redirect/_native.c \
+	$(wildcard kernels/setup.py kernels/devshim_kernels/_native/*.c kernels/devshim_kernels/_native/*.h)
 # a test run never compiles DeepSpeed ops; a stray attempt would land here, not in ~/.cache
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import timeit
 
 import torch
@@ -36,24 +37,25 @@ UNWRAPPED = {
 }
 
 
-def _in_process(namespace: dict, calls: int, loops: int) -> dict[str, float]:
-    """Each wrapped call against its original in this one process, loops of the two alternating: the
-    fastest wrapped loop minus the fastest original loop, per call. No process-to-process noise, but the
-    original is reached through ``__devshim_original__`` (``orig.to(x, ...)`` is not quite ``x.to(...)``)."""
+def _in_process(namespace: dict, calls: int, loops: int) -> dict[str, dict[str, float]]:
+    """Each wrapped call against its original in this one process (``bench/cuda_redirect.py``'s second protocol):
+    ``loops`` loops of each, alternating loop by loop (the wrapped one first in even loops) after one untimed loop
+    of each; per case, the geometric mean of each one's loop times, per call."""
     import types
 
     namespace = {**namespace, "orig": types.SimpleNamespace(empty=torch.empty.__devshim_original__,
                                                             to=torch.Tensor.to.__devshim_original__)}
     timers = {case: (timeit.Timer(CASES[case][0], globals=namespace), timeit.Timer(UNWRAPPED[case], globals=namespace))
               for case in CASES}
-    best = {case: [float("inf"), float("inf")] for case in CASES}
+    seconds: dict[str, tuple[list[float], list[float]]] = {case: ([], []) for case in CASES}
     for loop in range(loops + 1):
         for case, pair in timers.items():
             for i in (0, 1) if loop % 2 == 0 else (1, 0):
-                seconds = pair[i].timeit(calls)
+                elapsed = pair[i].timeit(calls)
                 if loop:  # the first pass is warm-up
-                    best[case][i] = min(best[case][i], seconds)
-    return {case: (wrapped - original) / calls for case, (wrapped, original) in best.items()}
+                    seconds[case][i].append(elapsed / calls)
+    return {case: {"wrapped": statistics.geometric_mean(wrapped), "original": statistics.geometric_mean(original)}
+            for case, (wrapped, original) in seconds.items()}
 
 
 def main() -> None:
@@ -61,6 +63,7 @@ def main() -> None:
     p.add_argument("--contender", choices=("plain", "redirect"), required=True)
     p.add_argument("--calls", type=int, default=10_000)
     p.add_argument("--loops", type=int, default=5)
+    p.add_argument("--in-process-loops", type=int, default=10)
     a = p.parse_args()
     before = {name: get() for name, get in NO_DEVICE.items()}
     report: dict[str, object] = {"contender": a.contender}
@@ -88,7 +91,7 @@ def main() -> None:
         per_call[case] = min(timer.repeat(repeat=a.loops, number=a.calls)) / a.calls
     report["seconds_per_call"] = per_call
     if a.contender == "redirect":
-        report["in_process_added"] = _in_process(namespace, a.calls, a.loops)
+        report["in_process"] = _in_process(namespace, a.calls, a.in_process_loops)
     report["devices"] = {case: str(eval(s[0 if a.contender == "redirect" else 1], namespace).device)
                          for case, s in CASES.items()}
     print(json.dumps(report))

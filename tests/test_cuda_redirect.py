@@ -151,7 +151,8 @@ def pristine() -> Iterator[dict[str, Any]]:
 def test_the_redirect_is_applied_when_the_selected_device_is_not_cuda(cuda):
     active = session.current()
     assert active.device.type == "cpu" and active.device.plugin == "cpu_reference"
-    assert active.integrations["cuda-redirect"].startswith("applied (run CUDA-written scripts on cpu (cpu_reference)")
+    assert active.integrations["cuda-redirect"].startswith(
+        "applied (run CUDA-written scripts on cpu (cpu_reference), native wrappers")
     assert REGISTRY.is_applied("cuda-redirect")
 
 
@@ -607,6 +608,130 @@ def test_gather_and_scatter_read_their_buffers_flat_as_nccl_does(world):
         assert torch.equal(out, shard)
 
 
+# -- the wrappers: native and Python, one specification -------------------------------------------------------------
+# The hot wrappers are compiled C (wrappers._native) when devshim-core was installed with a compiler, and Python
+# otherwise. Both are held to the same table: what reaches the original, for each way a call can name a device.
+
+IMPLEMENTATIONS = [pytest.param(True, id="native"), pytest.param(False, id="python")]
+
+
+def echo(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return args, kwargs
+
+
+def test_the_redirect_was_installed_with_its_native_wrappers(cuda):
+    import pickle
+
+    # devshim-core's install compiles them (setup.py); this fails if a build breaks and the fallback hides it
+    from devshim_core.integrations.cuda_redirect import wrappers
+    assert wrappers.IMPLEMENTATION == "native"
+    assert type(torch.empty).__name__ == "DeviceArgument" and type(torch.Tensor.to).__name__ == "DeviceArgument"
+    assert torch.empty.__devshim_original__(0).device == CPU
+    assert pickle.loads(pickle.dumps(torch.zeros)) is torch.zeros  # by name: a pickled function unpickles patched
+
+
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
+def test_a_device_keyword_is_mapped_and_everything_else_reaches_the_original_as_given(cuda, native):
+    from devshim_core.integrations.cuda_redirect import wrappers
+    from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
+    call = wrappers.device_keyword(echo, DeviceMap(cuda), native=native)
+    one = cuda.torch_device(1)
+    current = cuda.torch_device(0)
+    assert call(1, 2) == ((1, 2), {})
+    assert call(1, device="cuda:1", dtype=torch.half) == ((1,), {"device": one, "dtype": torch.half})
+    assert call(device=torch.device("cuda", 1)) == ((), {"device": one})
+    assert call(device=1) == ((), {"device": one})
+    assert call(device="cuda") == ((), {"device": current})
+    for untouched in ("cpu", "meta", torch.device("cpu"), None, [1]):  # [1]: unhashable, torch's to refuse
+        assert call(device=untouched) == ((), {"device": untouched})
+    many = {f"k{i}": i for i in range(20)}  # more arguments than the native fast buffer holds
+    assert call(*range(5), **many, device="cuda:1") == (tuple(range(5)), {**many, "device": one})
+    assert call("cuda") == (("cuda",), {})  # a positional 'cuda' is a size or data here, never a device
+
+
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
+def test_to_maps_a_leading_device_a_device_keyword_and_leaves_dtypes_and_tensors(cuda, native):
+    from devshim_core.integrations.cuda_redirect import wrappers
+    from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
+
+    class Box:
+        to = wrappers.method_to(echo, DeviceMap(cuda), native=native)
+
+    box, other = Box(), torch.zeros(1)
+    one = cuda.torch_device(1)
+    assert box.to("cuda:1", torch.half) == ((box, one, torch.half), {})
+    assert box.to(1, non_blocking=True) == ((box, one), {"non_blocking": True})
+    assert box.to(torch.device("cuda", 1)) == ((box, one), {})
+    assert box.to(device="cuda:1", dtype=torch.half) == ((box,), {"device": one, "dtype": torch.half})
+    assert box.to(torch.half) == ((box, torch.half), {})
+    assert box.to(other, device="cuda:1") == ((box, other), {"device": "cuda:1"})  # torch's own to refuse
+    assert Box.to(box, "cuda:1") == ((box, one), {})  # unbound, through the class
+    bound = box.to  # an attribute read binds, as a function would
+    assert bound("cuda:1") == ((box, one), {})
+
+
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
+def test_a_wrapper_reads_as_the_function_it_wraps_and_lets_its_errors_through(cuda, native):
+    import inspect
+
+    from devshim_core.integrations.cuda_redirect import wrappers
+    from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
+    call = wrappers.device_keyword(echo, DeviceMap(cuda), native=native)
+    assert (call.__name__, call.__wrapped__, call.__devshim_original__) == ("echo", echo, echo)
+    assert inspect.signature(call) == inspect.signature(echo)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nope'"):
+        wrappers.device_keyword(torch.nn.functional.relu, DeviceMap(cuda), native=native)(torch.ones(1), nope=1)
+
+
+@pytest.mark.parametrize("native", IMPLEMENTATIONS)
+def test_a_wrapper_holds_no_reference_it_does_not_own(cuda, native):
+    import gc
+    import weakref
+
+    from devshim_core.integrations.cuda_redirect import wrappers
+    from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
+    devices = DeviceMap(cuda)
+    call = wrappers.device_keyword(echo, devices, native=native)
+    spec = "cuda:1"
+    call(device=spec)
+    mapped = devices(spec)
+    before = (sys.getrefcount(mapped), sys.getrefcount(spec), sys.getrefcount(echo))
+    for _ in range(1000):
+        call(device=spec)
+        call(2, device=None)
+    assert (sys.getrefcount(mapped), sys.getrefcount(spec), sys.getrefcount(echo)) == before
+    alive = weakref.ref(devices)
+    del call, devices
+    gc.collect()
+    assert alive() is None
+
+
+TORCH_COMPILE_SCRIPT = """import sys
+import devshim_core.auto  # the redirect on; torch._dynamo not imported yet, as in a fresh script
+import torch
+
+assert "torch._dynamo" not in sys.modules, "devshim imported torch._dynamo"
+
+
+@torch.compile(fullgraph=True)  # a graph break is an error
+def step(x):
+    made = torch.ones(3, device="cuda") + x.new_zeros(3, device="cuda:1")
+    return x.to("cuda").sin() + made
+
+
+x = torch.arange(3.0)
+print(torch.allclose(step(x), x.sin() + 1), step(x).device)
+"""
+
+
+def test_torch_compile_traces_native_wrappers_whole_when_dynamo_is_imported_after_devshim(tmp_path):
+    script = tmp_path / "compiled.py"
+    script.write_text(TORCH_COMPILE_SCRIPT)
+    proc = subprocess.run([PYTHON, str(script)], env=clean_env(**ENV), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "cpu"]
+
+
 # -- compilers -------------------------------------------------------------------------------------------------------
 
 def test_torchscript_code_calling_a_factory_still_compiles(cuda):
@@ -621,7 +746,7 @@ def test_torchscript_code_calling_a_factory_still_compiles(cuda):
 def test_torch_compile_works_under_the_redirect(cuda):
     torch._dynamo.reset()
 
-    @torch.compile
+    @torch.compile(fullgraph=True)
     def shifted(a: torch.Tensor) -> torch.Tensor:  # inductor reads torch.cuda.get_device_properties
         return a.sin() + torch.ones(3, device="cuda")
 

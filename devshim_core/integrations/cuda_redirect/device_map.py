@@ -19,18 +19,18 @@ class DeviceMap:
     def __init__(self, device: Device) -> None:
         self.device = device
         self.type = device.type
-        self._memo: dict[Any, Any] = {}
+        self.memo: dict[Any, Any] = {}  # read directly by the native wrappers
 
     def __call__(self, spec: Any) -> Any:
         try:
-            return self._memo[spec]
+            return self.memo[spec]
         except KeyError:
             pass
         except TypeError:  # unhashable: not a device spec torch would accept anyway
             return spec
         mapped = self._translate(spec)
-        if len(self._memo) < 4096:  # bound: an f-string per step must not grow it forever
-            self._memo[spec] = mapped
+        if len(self.memo) < 4096:  # bound: an f-string per step must not grow it forever
+            self.memo[spec] = mapped
         return mapped
 
     def _translate(self, spec: Any) -> Any:

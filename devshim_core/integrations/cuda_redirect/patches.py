@@ -93,10 +93,12 @@ def patch_set(device: Device) -> PatchSet:
                    "names its tensors as CUDA does (Megatron's distributed optimizer checks those names)"),
         SetAttributes(
             name="Module", target="torch.nn:Module", names=tuple(sorted(coverage.MODULE_METHODS)),
+            # Python wrappers, which torch.compile inlines into a compiled module's code: a native one would
+            # break the graph there, and a module move costs far more than either
             make=lambda originals, _device: {
-                "to": wrappers.method_to(originals["to"], devices),
+                "to": wrappers.method_to(originals["to"], devices, native=False),
                 "cuda": wrappers.module_cuda(originals["cuda"], devices),
-                "to_empty": wrappers.device_keyword(originals["to_empty"], devices)},
+                "to_empty": wrappers.device_keyword(originals["to_empty"], devices, native=False)},
             reason="model.cuda() and model.to('cuda'/N) move the model to the selected device"),
         SetAttributes(
             name="autocast", target="torch.amp.autocast_mode:autocast", names=("__init__",),
@@ -131,6 +133,6 @@ def patch_set(device: Device) -> PatchSet:
         reason="`from torch.cuda import _lazy_call` (Megatron) and similar copies made before devshim activated "
                "keep the originals otherwise (torch's own modules are left alone: they call through torch.cuda)"))
     return PatchSet(name=SET_NAME, requires=(TORCH,), patches=tuple(patches),
-                    reason=f"run CUDA-written scripts on {device.type} ({device.plugin}); DEVSHIM_REDIRECT_CUDA=0 "
-                           "turns it off")
+                    reason=f"run CUDA-written scripts on {device.type} ({device.plugin}), {wrappers.IMPLEMENTATION} "
+                           "wrappers; DEVSHIM_REDIRECT_CUDA=0 turns it off")
 

@@ -1,18 +1,32 @@
 """Thin wrappers that map a CUDA device argument before calling the original.
 
-Each fast path is one ``if`` on the arguments: a call that names no device pays a Python frame and
-nothing else, and a call that names one pays a memoised dictionary lookup (``bench/cuda_redirect.py``).
+Each fast path is one ``if`` on the arguments: a call that names no device forwards at once, and a call that
+names one pays a memoised dictionary lookup (``bench/cuda_redirect.py``). The hot ones (torch's factories,
+``Tensor.to``, ``Tensor.new_*``) are native (``_native.c``, compiled when devshim-core is installed): a Python
+wrapper's frame alone costs more than the redirect may add. Their Python versions here are the fallback
+without a compiler, and the specification both are tested against.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
 
+from devshim_core import import_hooks
 from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
+
+try:
+    from devshim_core.integrations.cuda_redirect import _native
+except ImportError:  # installed without a C compiler (setup.py builds it optionally)
+    _native = None
+
+NATIVE = _native is not None
+IMPLEMENTATION = "native" if NATIVE else "python"
 
 Wrapper = Callable[[Callable[..., Any], DeviceMap], Callable[..., Any]]
 
@@ -35,9 +49,31 @@ def _register_for_torchscript(wrapper: Callable[..., Any], original: Callable[..
         _register_builtin(wrapper, op)
 
 
-def device_keyword(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+def _native_wrapper(original: Callable[..., Any], devices: DeviceMap, position: int = -1,
+                    kinds: tuple[type, ...] | None = None) -> Callable[..., Any]:
+    assert _native is not None
+    return _marked(_native.device_argument(original, devices, devices.memo, position, kinds), original)
+
+
+def _allow_in_compiled_graphs(wrapper: Callable[..., Any]) -> None:
+    """torch.compile inlines a Python wrapper but cannot trace into a native one: put it in the graph as one call
+    instead, which FakeTensor and AOTAutograd then run, mapping the device as eager code does. Registered when
+    torch._dynamo is imported (importing it here would cost every script a second)."""
+    alive = weakref.ref(wrapper)
+
+    def register(dynamo: ModuleType) -> None:
+        target = alive()
+        if target is not None:
+            dynamo.allow_in_graph(target)
+
+    import_hooks.after_import("torch._dynamo", register)
+
+
+def device_keyword(original: Callable[..., Any], devices: DeviceMap, *, native: bool = NATIVE) -> Callable[..., Any]:
     """A ``device=`` keyword mapped: functions, and methods alike (``self`` rides in ``args``), e.g.
     ``Tensor.new_zeros(..., device='cuda')``, ``Module.to_empty(device='cuda')``."""
+    if native:
+        return _native_wrapper(original, devices)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -49,10 +85,12 @@ def device_keyword(original: Callable[..., Any], devices: DeviceMap) -> Callable
     return _marked(call, original)
 
 
-def factory(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+def factory(original: Callable[..., Any], devices: DeviceMap, *, native: bool = NATIVE) -> Callable[..., Any]:
     """``torch.zeros(..., device='cuda')``: every torch factory takes ``device`` by keyword."""
-    wrapped = device_keyword(original, devices)
+    wrapped = device_keyword(original, devices, native=native)
     _register_for_torchscript(wrapped, original)
+    if native:
+        _allow_in_compiled_graphs(wrapped)
     return wrapped
 
 
@@ -72,9 +110,11 @@ def first_argument_device(original: Callable[..., Any], devices: DeviceMap) -> C
 _DEVICE_KINDS = (str, int, torch.device)
 
 
-def method_to(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
+def method_to(original: Callable[..., Any], devices: DeviceMap, *, native: bool = NATIVE) -> Callable[..., Any]:
     """``Tensor.to`` / ``Module.to``: the device is the first positional (a str, an int or a torch.device;
     a dtype or a tensor there is left alone) or the ``device`` keyword."""
+    if native:
+        return _native_wrapper(original, devices, position=1, kinds=_DEVICE_KINDS)
 
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
         if args:
