@@ -21,3 +21,13 @@ class PluginError(DevshimError):
 
 class PatchError(DevshimError):
     """A patch set could not be applied (unsupported version, missing target); nothing was left applied."""
+
+
+class KernelCallError(DevshimError):
+    """A devshim kernel refused or failed a call. ``tensor`` is one of the tensors it was given, so that the
+    caller that knows more (the optimizer that owns it) can say which parameter group it came from."""
+
+    def __init__(self, message: str, tensor: object = None, *, located: bool = False) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+        self.located = located

@@ -25,6 +25,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from torch.optim.adam import adam as torch_adam_function
 from torch.optim.adamw import adamw as torch_adamw_function
 
+from devshim_core.errors import KernelCallError
 from devshim_core.integrations.deepspeed import op_builders as devshim_builders
 from devshim_core.integrations.deepspeed.ops import FusedAdamOp, HostAdamOp
 
@@ -427,28 +428,57 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("what", ["update", "rollback"])
 @pytest.mark.parametrize("case", BAD_INPUTS)
-def test_cpu_adam_op_reports_bad_input_with_minus_1_and_a_message_and_touches_nothing(cpu_adam_op, capsys, case,
-                                                                                      what):
+def test_cpu_adam_op_raises_on_bad_input_naming_the_optimizer_and_touches_nothing(cpu_adam_op, case, what):
+    # the compiled op prints and returns -1, which DeepSpeedCPUAdam.step discards: devshim's raises instead
     optimizer_id, p, g, m, v = BAD_INPUTS[case]()
     originals = [t.clone() for t in (p, g, m, v)]
     cpu_adam_op.create_adam(OPTIMIZER_ID)
     try:
         call = cpu_adam_op.adam_update if what == "update" else cpu_adam_op.adam_rollback
-        assert call(optimizer_id, *_update_args(p, g, m, v)) == -1
+        with pytest.raises(KernelCallError, match=f"host Adam {what} for optimizer #{optimizer_id}") as raised:
+            call(optimizer_id, *_update_args(p, g, m, v))
     finally:
         cpu_adam_op.destroy_adam(OPTIMIZER_ID)
-    assert f"Error in Adam {what} for optimizer #{optimizer_id}" in capsys.readouterr().err
+    assert raised.value.tensor is p
     for tensor, original in zip((p, g, m, v), originals, strict=True):
         assert torch.equal(tensor, original)
 
 
-def test_cpu_adam_op_forgets_a_destroyed_optimizer(cpu_adam_op, capsys):
+def test_cpu_adam_op_forgets_a_destroyed_optimizer(cpu_adam_op):
     p, g, m, v = torch.ones(4), torch.ones(4), torch.zeros(4), torch.zeros(4)
     cpu_adam_op.create_adam(OPTIMIZER_ID)
     assert cpu_adam_op.destroy_adam(OPTIMIZER_ID) == 0
-    assert cpu_adam_op.adam_update(OPTIMIZER_ID, *_update_args(p, g, m, v)) == -1
-    assert "was not created" in capsys.readouterr().err
+    with pytest.raises(KernelCallError, match="was not created"):
+        cpu_adam_op.adam_update(OPTIMIZER_ID, *_update_args(p, g, m, v))
     assert cpu_adam_op.destroy_adam(OPTIMIZER_ID) == 0  # destroying twice is harmless, as in the compiled op
+
+
+def _two_groups(second_dtype: torch.dtype = torch.float32) -> tuple[list[dict], torch.nn.Parameter]:
+    first = torch.nn.Parameter(torch.ones(4))
+    second = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 5, dtype=second_dtype))]
+    (first.sum() + sum(p.sum() for p in second)).backward()
+    return [{"params": [first]}, {"params": second}], second[1]
+
+
+def test_deepspeed_cpu_adam_raises_naming_the_parameter_group_it_could_not_update():
+    # before: "Error in Adam update" on stderr, -1 discarded by step(), and group 1 silently frozen
+    groups, fp64 = _two_groups(torch.float64)
+    optimizer = DeepSpeedCPUAdam(groups, lr=0.1)
+    with pytest.raises(KernelCallError, match=r"DeepSpeedCPUAdam\.step: param group 1, parameter 1 "
+                                              r"\(shape \(2, 5\), torch\.float64\): host Adam update .*float64"):
+        optimizer.step()
+    assert torch.equal(fp64.detach(), torch.ones(2, 5, dtype=torch.float64))
+
+
+def test_fused_adam_raises_naming_the_parameter_group_whose_state_does_not_fit():
+    groups, _ = _two_groups()
+    optimizer = FusedAdam(groups, lr=0.1)
+    optimizer.step()
+    broken = optimizer.param_groups[1]["params"][0]
+    optimizer.state[broken]["exp_avg"] = torch.zeros(7)  # e.g. a state loaded from another model's checkpoint
+    with pytest.raises(KernelCallError, match=r"FusedAdam\.step: param group 1, parameter 0 \(shape \(3,\), "
+                                              r"torch\.float32\): fused Adam: .*exp_avg \(7\)"):
+        optimizer.step()
 
 
 # -- FusedAdam -----------------------------------------------------------------------------------------------------

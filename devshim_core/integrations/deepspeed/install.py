@@ -7,7 +7,13 @@ import os
 from devshim_core import import_hooks
 from devshim_core.device import Device
 from devshim_core.errors import PatchError
-from devshim_core.integrations.deepspeed.patches import ACCELERATOR_MODULE, DEEPSPEED, DEEPSPEED_PATCHES
+from devshim_core.integrations.deepspeed.patches import (
+    ACCELERATOR_MODULE,
+    DEEPSPEED,
+    DEEPSPEED_PATCHES,
+    OPTIMIZER_PATCHES,
+    OPTIMIZERS_MODULE,
+)
 from devshim_core.patching import REGISTRY
 
 
@@ -24,6 +30,8 @@ def install(device: Device) -> str:
                          f"(pip install 'deepspeed{DEEPSPEED.spec}'), or set DEVSHIM_PATCH_DEEPSPEED=0 to run "
                          "without it.")
     note = _overridden_selection()
+    if not REGISTRY.is_applied(OPTIMIZER_PATCHES.name):
+        import_hooks.after_import(OPTIMIZERS_MODULE, lambda module: REGISTRY.apply(OPTIMIZER_PATCHES, device))
     if REGISTRY.is_applied(DEEPSPEED_PATCHES.name):
         return "applied" + note
     if import_hooks.is_imported(ACCELERATOR_MODULE):
@@ -35,4 +43,6 @@ def install(device: Device) -> str:
 
 def uninstall() -> None:
     import_hooks.cancel(ACCELERATOR_MODULE)
+    import_hooks.cancel(OPTIMIZERS_MODULE)
+    REGISTRY.revert(OPTIMIZER_PATCHES.name)
     REGISTRY.revert(DEEPSPEED_PATCHES.name)

@@ -7,11 +7,11 @@ the selected plugin's kernel.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
+from devshim_core.errors import KernelCallError
 from devshim_core.records import FusedAdamW, HostAdamStep
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -29,16 +29,24 @@ class FusedAdamOp:
         grads, params, exp_avgs, exp_avg_sqs = tensor_lists
         if not params:
             return
-        self._kernel(params, grads, exp_avgs, exp_avg_sqs, step=int(step), lr=lr, beta1=beta1, beta2=beta2,
-                     eps=epsilon, weight_decay=weight_decay, adamw_mode=bool(adam_w_mode),
-                     bias_correction=bool(bias_correction))
+        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+            if not p.numel() == g.numel() == m.numel() == v.numel():
+                raise KernelCallError(f"fused Adam: params ({p.numel()}), grads ({g.numel()}), exp_avg ({m.numel()}) "
+                                      f"and exp_avg_sq ({v.numel()}) differ in size", p)
+        try:
+            self._kernel(params, grads, exp_avgs, exp_avg_sqs, step=int(step), lr=lr, beta1=beta1, beta2=beta2,
+                         eps=epsilon, weight_decay=weight_decay, adamw_mode=bool(adam_w_mode),
+                         bias_correction=bool(bias_correction))
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise KernelCallError(f"fused Adam kernel failed: {error}", params[0]) from error
 
 
 class HostAdamOp:
     """The ``cpu_adam`` module API: ``create_adam``, ``adam_update``, ``adam_rollback``, ``destroy_adam``.
 
-    Like the compiled op, errors in an update are reported by the return code (-1, with a message on
-    stderr) rather than raised, and the optimizer's AdamW/Adam mode is fixed at ``create_adam``.
+    The optimizer's AdamW/Adam mode is fixed at ``create_adam``. Unlike the compiled op, bad input raises
+    :class:`KernelCallError` (holding the params tensor) instead of printing and returning -1:
+    ``DeepSpeedCPUAdam.step`` discards the return code, so -1 froze a parameter group in silence.
     """
 
     def __init__(self, step: HostAdamStep, rollback: HostAdamStep | None) -> None:
@@ -72,8 +80,7 @@ class HostAdamOp:
                 or exp_avg_sq.numel() != params.numel():
             problem = "params, grads and states must have the same size, and grads the params' dtype"
         if problem is not None:
-            print(f"Error in Adam {what} for optimizer #{optimizer_id}: {problem}", file=sys.stderr)
-            return -1
+            raise KernelCallError(f"host Adam {what} for optimizer #{optimizer_id}: {problem}", params)
         assert adamw_mode is not None and kernel is not None
         kernel(params, grads, exp_avg, exp_avg_sq, step=int(step), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bool(bias_correction))

@@ -9,10 +9,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from devshim_core.device import Device
-from devshim_core.patching import PatchSet, RebindReferences, Requirement, SetAttribute
+from devshim_core.integrations.deepspeed.optimizer_errors import naming_the_group
+from devshim_core.patching import PatchSet, RebindReferences, Requirement, SetAttribute, SetAttributes
 
 DEEPSPEED = Requirement("deepspeed", ">=0.19,<0.20")
 ACCELERATOR_MODULE = "deepspeed.accelerator.real_accelerator"
+OPTIMIZERS_MODULE = "deepspeed.ops.adam"  # imported by `import deepspeed`, after the accelerator
 
 
 def _make_accelerator(original: Any, device: Device) -> Any:
@@ -70,5 +72,27 @@ DEEPSPEED_PATCHES = PatchSet(
             reason="import deepspeed binds op-builder classes, accelerator methods and autocast partials from the "
                    "accelerator it auto-detected; without this FusedAdam/CPUAdam would JIT-compile the CPU ops",
         ),
+    ),
+)
+
+
+def _naming_the_group(originals: dict[str, Any], _device: Device) -> dict[str, Any]:
+    return {name: naming_the_group(method) for name, method in originals.items() if method is not None}
+
+
+OPTIMIZER_PATCHES = PatchSet(
+    name="deepspeed-optimizers",
+    requires=(DEEPSPEED,),
+    reason="a failed Adam kernel call raises, naming its parameter group",
+    patches=(
+        SetAttributes(
+            name="DeepSpeedCPUAdam", target="deepspeed.ops.adam.cpu_adam:DeepSpeedCPUAdam",
+            names=("step", "step_subgroup", "rollback_subgroup"), make=_naming_the_group,
+            reason="step() discards cpu_adam's return code: devshim's op raises instead, and this names the group "
+                   "(ZeRO-Offload steps through here)"),
+        SetAttributes(
+            name="FusedAdam", target="deepspeed.ops.adam.fused_adam:FusedAdam", names=("step",),
+            make=_naming_the_group,
+            reason="the fused_adam op's errors name the parameter group the kernel failed on"),
     ),
 )
