@@ -131,3 +131,17 @@ def test_nccl_becomes_the_vendors_backend(cuda):
         assert t.cpu().tolist() == [1.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+def test_cuda_event_and_stream_are_classes_that_recognise_what_they_make(cuda):
+    # torch's own code asks isinstance(x, torch.cuda.Event) (its tensor extraction, run by every DDP all-reduce
+    # future); the emulated torch.npu.Event, like a vendor's may be, is a function, which isinstance refuses
+    assert isinstance(torch.cuda.Event, type) and isinstance(torch.cuda.Stream, type)
+    assert not isinstance(object(), torch.cuda.Event)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    end.record()
+    end.synchronize()
+    assert isinstance(start, torch.cuda.Event) and start.elapsed_time(end) >= 0
+    assert isinstance(torch.cuda.Stream(), torch.cuda.Stream)
+    assert torch.cuda.Stream().device == on(0)

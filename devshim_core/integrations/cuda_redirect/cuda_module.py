@@ -34,6 +34,31 @@ class _DeviceContext:
             self._facade.set_device(self._previous)
 
 
+class _MadeBy(type):
+    """The metaclass of :func:`as_class`'s classes: an instance is anything the factory has made."""
+
+    made: set[type]
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return type(instance) in cls.made
+
+
+def as_class(name: str, factory: Any) -> type:
+    """``factory`` if it is a class, else a class standing for it. torch's own code asks
+    ``isinstance(x, torch.cuda.Event)`` (``torch._jit_internal``'s tensor extraction, run by every DDP
+    all-reduce future), which raises if ``torch.cuda.Event`` is a plain function, as a vendor's may be."""
+    if isinstance(factory, type):
+        return factory
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        made = factory(*args, **kwargs)
+        cls.made.add(type(made))  # type: ignore[attr-defined]
+        return made
+
+    return _MadeBy(name, (), {"__new__": __new__, "made": set(), "__doc__": getattr(factory, "__doc__", None),
+                              "__module__": "torch.cuda"})
+
+
 def _properties(d: Device, devices: DeviceMap) -> Callable[..., Any]:
     module_properties = getattr(d.module, "get_device_properties", None)
 
@@ -113,8 +138,8 @@ def replacements(d: Device, devices: DeviceMap) -> dict[str, Any]:
         "set_rng_state": set_rng_state,
         "get_rng_state_all": lambda: [get_rng_state(i) for i in range(d.device_count())],
         "set_rng_state_all": lambda states: [set_rng_state(s, i) for i, s in enumerate(states)] and None,
-        "Stream": d.Stream,  # both stream kinds read the index of a 'cuda:N' they are given
-        "Event": d.Event,
+        "Stream": as_class("Stream", d.Stream),  # both stream kinds read the index of a 'cuda:N' they are given
+        "Event": as_class("Event", d.Event),
         "stream": d.stream,
         "current_stream": lambda device=None: d.current_stream(on(device)),
         "default_stream": lambda device=None: d.default_stream(on(device)),

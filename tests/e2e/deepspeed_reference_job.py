@@ -1,0 +1,158 @@
+"""DeepSpeed through devshim against plain PyTorch, on 2 ranks: what ``test_deepspeed_reference.py`` checks.
+
+One ``torchrun`` job trains the same seeded model on the same data several ways, each from the same initial
+weights, and rank 0 writes every run's per-step losses (mean over ranks) and final parameters:
+
+- ``reference``: ``DistributedDataParallel`` + ``torch.optim.AdamW`` + ``clip_grad_norm_``, no DeepSpeed;
+- ``zero0`` .. ``zero3``: ``deepspeed.initialize`` with fp32, the same AdamW settings and clipping (DeepSpeed 0.19
+  clips at 1.0 unless told otherwise), ZeRO stage 0-3;
+- ``gas1_mb8`` and ``gas2_mb4``: ZeRO-1, one micro-batch of 8 per rank per step against two of 4 (the same 8
+  samples, split);
+- ``fp16_overflow``: ZeRO-1 with fp16 and a dynamic loss scale; the input of step ``OVERFLOW_STEP`` holds an
+  inf, so its gradients overflow.
+
+Usage: torchrun --nproc-per-node 2 deepspeed_reference_job.py --report OUT.json
+"""
+
+import devshim_core.auto  # noqa: F401  (first: the only line a DeepSpeed script adds)
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+STEPS = 6
+MICRO_BATCH = 8
+FEATURES, HIDDEN = 16, 32
+ADAMW = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+OVERFLOW_STEP = 2
+INITIAL_SCALE_POWER = 8
+CLIP = 1.0  # DeepSpeed 0.19's default; the gradient norm exceeds it on some steps here, not on others
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(1234)  # every run starts from these weights
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
+                               torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+
+
+def batches(rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each step's micro-batch of MICRO_BATCH samples for ``rank`` (the global batch is split by rank)."""
+    generator = torch.Generator().manual_seed(99)
+    steps = []
+    for _ in range(STEPS):
+        x = torch.randn(world * MICRO_BATCH, FEATURES, generator=generator)
+        y = torch.sin(x.sum(dim=1, keepdim=True))
+        steps.append((x[rank * MICRO_BATCH:(rank + 1) * MICRO_BATCH], y[rank * MICRO_BATCH:(rank + 1) * MICRO_BATCH]))
+    return steps
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    total = value.detach().float().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def host_parameters(model: torch.nn.Module) -> list[list[float]]:
+    return [p.detach().float().cpu().flatten().tolist() for p in model.parameters()]
+
+
+def run_reference(data: list, device: torch.device) -> dict[str, Any]:
+    model = make_model().to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    losses: list[float] = []
+    norms: list[float] = []
+    for x, y in data:
+        loss = torch.nn.functional.mse_loss(ddp(x.to(device)), y.to(device))
+        optimizer.zero_grad()
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        losses.append(mean_over_ranks(loss))
+    return {"losses": losses, "grad_norms": norms, "parameters": host_parameters(model)}
+
+
+def ds_config(stage: int, micro_batch: int, accumulation: int, fp16: bool = False) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": CLIP,
+        "steps_per_print": 10_000,
+    }
+    if fp16:  # hysteresis 1: the first overflow halves the scale
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": INITIAL_SCALE_POWER,
+                          "loss_scale_window": 1000, "hysteresis": 1, "min_loss_scale": 1}
+    return config
+
+
+def run_deepspeed(data: list, device: torch.device, config: dict[str, Any],
+                  on_step: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
+    engine, _, _, _ = deepspeed.initialize(model=make_model(), model_parameters=None, config=config)
+    accumulation = engine.gradient_accumulation_steps()
+    losses = []
+    for step, (x, y) in enumerate(data):
+        x, y = x.to(device), y.to(device)
+        if step == OVERFLOW_STEP and config.get("fp16"):
+            x = x.clone()
+            x[0, 0] = float("inf")
+        step_losses = []
+        for part_x, part_y in zip(x.chunk(accumulation), y.chunk(accumulation), strict=True):
+            out = engine(part_x.to(engine.module[0].weight.dtype))
+            loss = torch.nn.functional.mse_loss(out.float(), part_y)
+            engine.backward(loss)
+            engine.step()
+            step_losses.append(loss.detach())
+        losses.append(mean_over_ranks(torch.stack(step_losses).mean()))
+        if on_step is not None:
+            on_step(step, engine)
+    if config["zero_optimization"]["stage"] == 3:
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            parameters = host_parameters(engine.module)
+    else:
+        parameters = host_parameters(engine.module)
+    return {"losses": losses, "parameters": parameters, "global_steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--report", required=True)
+    args = parser.parse_args()
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    accelerator = get_accelerator()
+    accelerator.set_device(rank)
+    device = torch.device(accelerator.device_name(rank))
+    data = batches(rank, world)
+    runs: dict[str, Any] = {"reference": run_reference(data, device)}
+    for stage in range(4):
+        runs[f"zero{stage}"] = run_deepspeed(data, device, ds_config(stage, MICRO_BATCH, 1))
+    runs["gas1_mb8"] = runs["zero1"]
+    runs["gas2_mb4"] = run_deepspeed(data, device, ds_config(1, MICRO_BATCH // 2, 2))
+
+    scales: list[float] = []
+    snapshots: list[list[list[float]]] = []
+
+    def watch(step: int, engine: Any) -> None:
+        scales.append(float(engine.optimizer.cur_scale))
+        snapshots.append(host_parameters(engine.module))
+
+    runs["fp16_overflow"] = run_deepspeed(data, device, ds_config(1, MICRO_BATCH, 1, fp16=True), on_step=watch)
+    runs["fp16_overflow"].update(scales=scales, parameters_after_each_step=snapshots)
+    if rank == 0:
+        with open(args.report, "w") as f:
+            json.dump({"world": world, "device": str(device), "overflow_step": OVERFLOW_STEP,
+                       "initial_scale": 2.0 ** INITIAL_SCALE_POWER, "runs": runs}, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
