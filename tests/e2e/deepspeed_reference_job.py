@@ -14,7 +14,7 @@ weights, and rank 0 writes every run's per-step losses (mean over ranks) and fin
 Usage: torchrun --nproc-per-node 2 deepspeed_reference_job.py --report OUT.json
 """
 
-import devshim_core.auto  # noqa: F401  (first: the only line a DeepSpeed script adds)
+import devshim_core.auto  # noqa: F401, I001 - first: the only line a DeepSpeed script adds
 
 import argparse
 import json
