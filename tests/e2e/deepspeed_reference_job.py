@@ -9,7 +9,10 @@ weights, and rank 0 writes every run's per-step losses (mean over ranks) and fin
 - ``gas1_mb8`` and ``gas2_mb4``: ZeRO-1, one micro-batch of 8 per rank per step against two of 4 (the same 8
   samples, split);
 - ``fp16_overflow``: ZeRO-1 with fp16 and a dynamic loss scale; the input of step ``OVERFLOW_STEP`` holds an
-  inf, so its gradients overflow.
+  inf, so its gradients overflow;
+- ``resumes``: with dropout, a run uninterrupted against one checkpointed after ``SAVE_AFTER`` steps and resumed
+  by a fresh engine: ZeRO-2 + CPU offload + a warm-up/decay LR schedule, ZeRO-1 bf16, and ZeRO-1 fp16 after an
+  overflow (a loss scale that is no longer the initial one).
 
 Usage: torchrun --nproc-per-node 2 deepspeed_reference_job.py --report OUT.json
 """
@@ -19,6 +22,7 @@ import devshim_core.auto  # noqa: F401, I001 - first: the only line a DeepSpeed 
 import argparse
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -32,13 +36,16 @@ FEATURES, HIDDEN = 16, 32
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
 OVERFLOW_STEP = 2
 INITIAL_SCALE_POWER = 8
+SAVE_AFTER = 3
+DROPOUT = 0.1
 CLIP = 1.0  # DeepSpeed 0.19's default; the gradient norm exceeds it on some steps here, not on others
 
 
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(1234)  # every run starts from these weights
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
-                               torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+def make_model(dropout: float = 0.0, seed: int = 1234) -> torch.nn.Module:
+    torch.manual_seed(seed)  # every run starts from these weights, unless it loads others
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Dropout(dropout),
+                               torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(), torch.nn.Dropout(dropout),
+                               torch.nn.Linear(HIDDEN, 1))
 
 
 def batches(rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -93,14 +100,14 @@ def ds_config(stage: int, micro_batch: int, accumulation: int, fp16: bool = Fals
     return config
 
 
-def run_deepspeed(data: list, device: torch.device, config: dict[str, Any],
-                  on_step: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
-    engine, _, _, _ = deepspeed.initialize(model=make_model(), model_parameters=None, config=config)
+def train(engine: Any, data: list, steps: range, device: torch.device, overflow_step: int | None = None,
+          on_step: Callable[[int, Any], None] | None = None) -> list[float]:
+    """Train ``steps`` of ``data``; each step's loss, averaged over micro-batches and ranks."""
     accumulation = engine.gradient_accumulation_steps()
     losses = []
-    for step, (x, y) in enumerate(data):
-        x, y = x.to(device), y.to(device)
-        if step == OVERFLOW_STEP and config.get("fp16"):
+    for step in steps:
+        x, y = (t.to(device) for t in data[step])
+        if step == overflow_step:
             x = x.clone()
             x[0, 0] = float("inf")
         step_losses = []
@@ -113,6 +120,13 @@ def run_deepspeed(data: list, device: torch.device, config: dict[str, Any],
         losses.append(mean_over_ranks(torch.stack(step_losses).mean()))
         if on_step is not None:
             on_step(step, engine)
+    return losses
+
+
+def run_deepspeed(data: list, device: torch.device, config: dict[str, Any],
+                  on_step: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
+    engine, _, _, _ = deepspeed.initialize(model=make_model(), model_parameters=None, config=config)
+    losses = train(engine, data, range(STEPS), device, OVERFLOW_STEP if config.get("fp16") else None, on_step)
     if config["zero_optimization"]["stage"] == 3:
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             parameters = host_parameters(engine.module)
@@ -120,6 +134,62 @@ def run_deepspeed(data: list, device: torch.device, config: dict[str, Any],
         parameters = host_parameters(engine.module)
     return {"losses": losses, "parameters": parameters, "global_steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps}
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    get_accelerator().manual_seed(seed)
+
+
+def run_resume(data: list, device: torch.device, config: dict[str, Any], checkpoints: str, tag: str,
+               overflow_step: int | None = None, control: bool = False) -> dict[str, Any]:
+    """Uninterrupted, against: SAVE_AFTER steps, a checkpoint (plus each rank's RNG state, as a script saves it
+    through the accelerator), and a restart from other weights and another RNG state that loads both.
+    ``control``: also resume without restoring the RNG state, which dropout must make differ."""
+    rank = dist.get_rank()
+    accelerator = get_accelerator()
+
+    def engine() -> Any:
+        return deepspeed.initialize(model=make_model(DROPOUT), model_parameters=None, config=config)[0]
+
+    lrs: list[float] = []
+    scales: list[float] = []
+
+    def watch(step: int, e: Any) -> None:
+        lrs.append(e.get_lr()[0])
+        scales.append(float(getattr(e.optimizer, "cur_scale", 1.0)))
+
+    seed_everything(100 + rank)
+    uninterrupted = train(engine(), data, range(STEPS), device, overflow_step, watch)
+    seed_everything(100 + rank)
+    first = engine()
+    train(first, data, range(SAVE_AFTER), device, overflow_step)
+    first.save_checkpoint(checkpoints, tag=tag)
+    rng_file = f"{checkpoints}/{tag}/rng_rank{rank}.pt"
+    torch.save({"host": torch.get_rng_state(), "device": accelerator.get_rng_state()}, rng_file)
+    saved_scale = float(getattr(first.optimizer, "cur_scale", 1.0))
+    del first
+
+    def restarted(restore_rng: bool) -> tuple[Any, float]:
+        seed_everything(7)  # a restarted process: other RNG state ...
+        with torch.random.fork_rng(devices=[]):
+            e = deepspeed.initialize(model=make_model(DROPOUT, seed=99), model_parameters=None, config=config)[0]
+        e.load_checkpoint(checkpoints, tag=tag)  # ... and other weights, until the checkpoint is loaded
+        if restore_rng:
+            state = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(state["host"])
+            accelerator.set_rng_state(state["device"])
+        return e, float(getattr(e.optimizer, "cur_scale", 1.0))
+
+    resumed_engine, scale_after_load = restarted(restore_rng=True)
+    resumed = train(resumed_engine, data, range(SAVE_AFTER, STEPS), device, overflow_step)
+    result = {"uninterrupted": uninterrupted, "resumed": resumed, "lrs": lrs, "scales": scales,
+              "saved_scale": saved_scale, "scale_after_load": scale_after_load}
+    del resumed_engine
+    if control:
+        control_engine, _ = restarted(restore_rng=False)
+        result["resumed_without_rng"] = train(control_engine, data, range(SAVE_AFTER, STEPS), device, overflow_step)
+    return result
 
 
 def main() -> None:
@@ -147,10 +217,25 @@ def main() -> None:
 
     runs["fp16_overflow"] = run_deepspeed(data, device, ds_config(1, MICRO_BATCH, 1, fp16=True), on_step=watch)
     runs["fp16_overflow"].update(scales=scales, parameters_after_each_step=snapshots)
+
+    checkpoints = str(Path(args.report).parent / "checkpoints")
+    offload = ds_config(2, MICRO_BATCH, 1)
+    offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    offload["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": ADAMW["lr"],
+                                                                "warmup_num_steps": 2, "total_num_steps": STEPS}}
+    bf16 = ds_config(1, MICRO_BATCH, 1)
+    bf16["bf16"] = {"enabled": True}
+    resumes = {
+        "zero2_offload_warmup_decay": run_resume(data, device, offload, checkpoints, "offload", control=True),
+        "zero1_bf16": run_resume(data, device, bf16, checkpoints, "bf16"),
+        "zero1_fp16_after_an_overflow": run_resume(data, device, ds_config(1, MICRO_BATCH, 1, fp16=True), checkpoints,
+                                                   "fp16", overflow_step=1),
+    }
     if rank == 0:
         with open(args.report, "w") as f:
             json.dump({"world": world, "device": str(device), "overflow_step": OVERFLOW_STEP,
-                       "initial_scale": 2.0 ** INITIAL_SCALE_POWER, "runs": runs}, f)
+                       "initial_scale": 2.0 ** INITIAL_SCALE_POWER, "save_after": SAVE_AFTER, "runs": runs,
+                       "resumes": resumes}, f)
     dist.barrier()
 
 
