@@ -10,6 +10,8 @@ weights, and rank 0 writes every run's per-step losses (mean over ranks) and fin
   samples, split);
 - ``fp16_overflow``: ZeRO-1 with fp16 and a dynamic loss scale; the input of step ``OVERFLOW_STEP`` holds an
   inf, so its gradients overflow;
+- ``dropout_checkpointed`` / ``dropout_not_checkpointed``: two blocks with dropout, through
+  ``deepspeed.checkpointing.checkpoint`` or not (ZeRO-1, fp32, the same seeds), and checkpointed with other seeds;
 - ``resumes``: with dropout, a run uninterrupted against one checkpointed after ``SAVE_AFTER`` steps and resumed
   by a fresh engine: ZeRO-2 + CPU offload + a warm-up/decay LR schedule, ZeRO-1 bf16, and ZeRO-1 fp16 after an
   overflow (a loss scale that is no longer the initial one).
@@ -46,6 +48,38 @@ def make_model(dropout: float = 0.0, seed: int = 1234) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Dropout(dropout),
                                torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(), torch.nn.Dropout(dropout),
                                torch.nn.Linear(HIDDEN, 1))
+
+
+class CheckpointedBlocks(torch.nn.Module):
+    """Two blocks with dropout, run through ``deepspeed.checkpointing.checkpoint`` or directly."""
+
+    def __init__(self, checkpointing: bool) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.checkpointing = checkpointing
+        self.inp = torch.nn.Linear(FEATURES, HIDDEN)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(), torch.nn.Dropout(0.2))
+            for _ in range(2))
+        self.out = torch.nn.Linear(HIDDEN, 1)
+        self.block_forwards = 0
+        for block in self.blocks:
+            block.register_forward_hook(lambda *_: setattr(self, "block_forwards", self.block_forwards + 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = deepspeed.checkpointing.checkpoint(block, x) if self.checkpointing else block(x)
+        return self.out(x)
+
+
+def run_checkpointing(data: list, device: torch.device, checkpointing: bool, seed: int = 200) -> dict[str, Any]:
+    model = CheckpointedBlocks(checkpointing)
+    engine = deepspeed.initialize(model=model, model_parameters=None, config=ds_config(1, MICRO_BATCH, 1))[0]
+    seed_everything(seed + dist.get_rank())
+    losses = train(engine, data, range(STEPS), device)
+    return {"losses": losses, "parameters": host_parameters(model),
+            "block_forwards_per_step": model.block_forwards / STEPS}
 
 
 def batches(rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -112,7 +146,7 @@ def train(engine: Any, data: list, steps: range, device: torch.device, overflow_
             x[0, 0] = float("inf")
         step_losses = []
         for part_x, part_y in zip(x.chunk(accumulation), y.chunk(accumulation), strict=True):
-            out = engine(part_x.to(engine.module[0].weight.dtype))
+            out = engine(part_x.to(next(engine.module.parameters()).dtype))
             loss = torch.nn.functional.mse_loss(out.float(), part_y)
             engine.backward(loss)
             engine.step()
@@ -197,6 +231,7 @@ def main() -> None:
     parser.add_argument("--report", required=True)
     args = parser.parse_args()
     deepspeed.init_distributed()
+    deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     accelerator = get_accelerator()
     accelerator.set_device(rank)
@@ -217,6 +252,10 @@ def main() -> None:
 
     runs["fp16_overflow"] = run_deepspeed(data, device, ds_config(1, MICRO_BATCH, 1, fp16=True), on_step=watch)
     runs["fp16_overflow"].update(scales=scales, parameters_after_each_step=snapshots)
+
+    runs["dropout_checkpointed"] = run_checkpointing(data, device, checkpointing=True)
+    runs["dropout_not_checkpointed"] = run_checkpointing(data, device, checkpointing=False)
+    runs["dropout_checkpointed_other_seed"] = run_checkpointing(data, device, checkpointing=True, seed=300)
 
     checkpoints = str(Path(args.report).parent / "checkpoints")
     offload = ds_config(2, MICRO_BATCH, 1)

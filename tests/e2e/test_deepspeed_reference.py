@@ -111,3 +111,12 @@ def test_the_warmup_decay_schedule_resumes_where_it_was(report):
 def test_the_loss_scale_after_an_overflow_is_restored_not_reset(report):
     run = report["resumes"]["zero1_fp16_after_an_overflow"]
     assert run["saved_scale"] == report["initial_scale"] / 2 == run["scale_after_load"]
+
+
+def test_activation_checkpointing_with_dropout_computes_what_the_uncheckpointed_model_does(report):
+    runs = report["runs"]
+    checkpointed, plain = runs["dropout_checkpointed"], runs["dropout_not_checkpointed"]
+    assert checkpointed["block_forwards_per_step"] == 2 * plain["block_forwards_per_step"] == 4  # recomputed
+    assert checkpointed["losses"] == plain["losses"]  # the recompute drew the forward's dropout masks again
+    assert checkpointed["parameters"] == plain["parameters"]
+    assert runs["dropout_checkpointed_other_seed"]["losses"] != checkpointed["losses"]  # dropout is really on
