@@ -8,7 +8,6 @@ the methods below define the contract and serve the few calls that need adapting
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 
 from devshim_core.device import Device
+from devshim_core.errors import DevshimError
 
 OP_BUILDER_PACKAGE = "devshim_core.integrations.deepspeed.op_builders"
 # Ops DeepSpeed builds that devshim deliberately answers with "none": collectives go to the backend.
@@ -231,15 +231,22 @@ class DevshimAccelerator(DeepSpeedAccelerator):
     def is_triton_supported(self) -> bool:
         return False
 
-    # -- graphs: not offered through devshim; DeepSpeed only captures when asked to -------------
-    def create_graph(self) -> None:
-        return None
+    # -- graphs: refused. A graph that captures nothing replays nothing: DeepSpeed's inference engine would
+    # return its first call's outputs for every later input (DeepSpeed's own CPU accelerator does that) ------
+    def _no_graphs(self) -> DevshimError:
+        return DevshimError(
+            f"DeepSpeed asked for a device graph (CUDA-graph capture), which devshim does not offer on "
+            f"{self._name}: a graph that captured nothing would replay nothing and return stale outputs. Turn "
+            "the option off: init_inference(enable_cuda_graph=False), or hybrid_engine.enable_cuda_graph false.")
+
+    def create_graph(self) -> Any:
+        raise self._no_graphs()
 
     def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Any:
-        return contextlib.nullcontext()
+        raise self._no_graphs()
 
     def replay_graph(self, graph: Any) -> None:
-        return None
+        raise self._no_graphs()
 
     # -- legacy tensor types ------------------------------------------------------------------
     def _tensor_type(self, name: str) -> Any:
