@@ -12,6 +12,7 @@ weights, and rank 0 writes every run's per-step losses (mean over ranks) and fin
   inf, so its gradients overflow;
 - ``dropout_checkpointed`` / ``dropout_not_checkpointed``: two blocks with dropout, through
   ``deepspeed.checkpointing.checkpoint`` or not (ZeRO-1, fp32, the same seeds), and checkpointed with other seeds;
+- ``pipeline``: two pipeline stages, one per rank, against the same model trained whole with plain PyTorch;
 - ``resumes``: with dropout, a run uninterrupted against one checkpointed after ``SAVE_AFTER`` steps and resumed
   by a fresh engine: ZeRO-2 + CPU offload + a warm-up/decay LR schedule, ZeRO-1 bf16, and ZeRO-1 fp16 after an
   overflow (a loss scale that is no longer the initial one).
@@ -170,6 +171,44 @@ def run_deepspeed(data: list, device: torch.device, config: dict[str, Any],
             "skipped_steps": engine.skipped_steps}
 
 
+def run_pipeline(device: torch.device) -> dict[str, Any]:
+    """Two pipeline stages, one per rank, each step 2 micro-batches of 4, against the same model trained whole in
+    this process with plain PyTorch (AdamW, the loss averaged over the micro-batches). Each rank compares the
+    layers it holds; the largest difference over both ranks is reported.
+
+    Without clipping: DeepSpeed 0.19's clip_grad_norm_ counts only model-parallel rank 0's parameters unless
+    they are marked model-parallel, so stage 1's gradients are missing from the norm it clips by (on any device).
+    """
+    from deepspeed.pipe import PipelineModule
+
+    data = [(x.to(device), y.to(device)) for x, y in batches(0, 1)]  # the whole global batch, every step
+    half = MICRO_BATCH // 2
+    reference = make_model().to(device)
+    optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    reference_losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = sum(torch.nn.functional.mse_loss(reference(px), py) for px, py in zip(x.split(half), y.split(half),
+                                                                                    strict=True)) / 2
+        loss.backward()
+        optimizer.step()
+        reference_losses.append(loss.item())
+
+    pipe = PipelineModule(layers=list(make_model()), num_stages=2, loss_fn=torch.nn.functional.mse_loss,
+                          partition_method="uniform")
+    config = ds_config(0, half, 2)
+    config.update(train_batch_size=MICRO_BATCH, gradient_clipping=0.0)
+    engine = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()], config=config)[0]
+    losses = [float(engine.train_batch(data_iter=iter(list(zip(x.split(half), y.split(half), strict=True)))))
+              for x, y in data]
+    mine = [p for i in range(pipe._local_start, pipe._local_stop) for p in reference[i].parameters()]
+    worst = max((a.detach() - b.detach()).abs().max() for a, b in zip(pipe.parameters(), mine, strict=True))
+    worst = worst.float().reshape(1)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {"losses": losses, "reference_losses": reference_losses, "max_weight_difference": worst.item(),
+            "stage_layers": [pipe._local_start, pipe._local_stop]}
+
+
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     get_accelerator().manual_seed(seed)
@@ -270,6 +309,8 @@ def main() -> None:
         "zero1_fp16_after_an_overflow": run_resume(data, device, ds_config(1, MICRO_BATCH, 1, fp16=True), checkpoints,
                                                    "fp16", overflow_step=1),
     }
+    # last: a pipeline engine leaves its grid in deepspeed.utils.groups, where later engines would find it
+    runs["pipeline"] = run_pipeline(device)
     if rank == 0:
         with open(args.report, "w") as f:
             json.dump({"world": world, "device": str(device), "overflow_step": OVERFLOW_STEP,

@@ -120,3 +120,12 @@ def test_activation_checkpointing_with_dropout_computes_what_the_uncheckpointed_
     assert checkpointed["losses"] == plain["losses"]  # the recompute drew the forward's dropout masks again
     assert checkpointed["parameters"] == plain["parameters"]
     assert runs["dropout_checkpointed_other_seed"]["losses"] != checkpointed["losses"]  # dropout is really on
+
+
+def test_two_pipeline_stages_train_as_the_whole_model_does_in_one_process(report):
+    run = report["runs"]["pipeline"]
+    assert run["stage_layers"] == [0, 4]  # rank 0 holds layers 0-3 (of 7), rank 1 the rest: really split
+    assert len(run["losses"]) == len(run["reference_losses"]) > 0
+    for step, (a, b) in enumerate(zip(run["losses"], run["reference_losses"], strict=True)):
+        assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"pipeline: step {step} loss {a!r} vs {b!r}"
+    assert run["max_weight_difference"] <= WEIGHT_ATOL
