@@ -12,6 +12,7 @@ weights, and rank 0 writes every run's per-step losses (mean over ranks) and fin
   inf, so its gradients overflow;
 - ``dropout_checkpointed`` / ``dropout_not_checkpointed``: two blocks with dropout, through
   ``deepspeed.checkpointing.checkpoint`` or not (ZeRO-1, fp32, the same seeds), and checkpointed with other seeds;
+- ``moe``: an MoE layer with expert parallel 2 against the same network computed whole in one process;
 - ``pipeline``: two pipeline stages, one per rank, against the same model trained whole with plain PyTorch;
 - ``resumes``: with dropout, a run uninterrupted against one checkpointed after ``SAVE_AFTER`` steps and resumed
   by a fresh engine: ZeRO-2 + CPU offload + a warm-up/decay LR schedule, ZeRO-1 bf16, and ZeRO-1 fp16 after an
@@ -171,6 +172,88 @@ def run_deepspeed(data: list, device: torch.device, config: dict[str, Any],
             "skipped_steps": engine.skipped_steps}
 
 
+class MoENet(torch.nn.Module):
+    """A layer of two linear experts, one per rank (expert parallel 2), top-1 routing, no token dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        torch.manual_seed(1234)
+        self.inp = torch.nn.Linear(FEATURES, HIDDEN)
+        self.moe = MoE(hidden_size=HIDDEN, expert=torch.nn.Linear(HIDDEN, HIDDEN), num_experts=2, ep_size=2, k=1,
+                       min_capacity=0, drop_tokens=False)
+        self.out = torch.nn.Linear(HIDDEN, 1)
+        self.tokens_per_expert: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, _aux_loss, counts = self.moe(self.inp(x))
+        self.tokens_per_expert = [int(c) for c in counts]
+        return self.out(hidden)
+
+
+def run_moe(device: torch.device) -> dict[str, Any]:
+    """MoE with expert parallel 2 through DeepSpeed against the same network computed whole in this process:
+    both experts (gathered from the two ranks), DeepSpeed's top-1 gate (softmax of the gate's logits, each token
+    to its argmax expert, scaled by that probability), the loss averaged over the ranks, torch.optim.AdamW."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = MoENet()
+    expert = net.moe.deepspeed_moe.experts.deepspeed_experts[0]
+    torch.manual_seed(10 + rank)  # each rank's expert its own weights: a token sent to the wrong one shows
+    expert.reset_parameters()
+    net.to(device)
+    gathered = {}
+    for name in ("weight", "bias"):
+        mine = getattr(expert, name).detach().contiguous()
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(parts, mine)
+        gathered[name] = parts
+    shared = {n: p.detach().clone().requires_grad_(True) for n, p in net.named_parameters()
+              if "deepspeed_experts" not in n}
+    experts = [(w.clone().requires_grad_(True), b.clone().requires_grad_(True))
+               for w, b in zip(gathered["weight"], gathered["bias"], strict=True)]
+    F = torch.nn.functional
+
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, shared["inp.weight"], shared["inp.bias"])
+        gates = torch.softmax(F.linear(h.float(), shared["moe.deepspeed_moe.gate.wg.weight"]), dim=1)
+        chosen = gates.argmax(dim=1)
+        outputs = torch.stack([F.linear(h, w, b) for w, b in experts], dim=1)
+        mixed = gates.gather(1, chosen[:, None]) * outputs[torch.arange(len(chosen), device=x.device), chosen]
+        return F.linear(mixed, shared["out.weight"], shared["out.bias"])
+
+    optimizer = torch.optim.AdamW([*shared.values(), *(t for pair in experts for t in pair)], **ADAMW)
+    config = ds_config(0, MICRO_BATCH, 1)
+    config["gradient_clipping"] = 0.0
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "all"})
+    engine = deepspeed.initialize(model=net, model_parameters=groups, config=config)[0]
+    losses, reference_losses, routed = [], [], []
+    for x, y in batches(0, 1):  # the global batch; each rank trains on its half
+        x, y = x.to(device), y.to(device)
+        mine = slice(rank * MICRO_BATCH // world, (rank + 1) * MICRO_BATCH // world)
+        loss = F.mse_loss(engine(x[mine]), y[mine])
+        engine.backward(loss)
+        engine.step()
+        losses.append(mean_over_ranks(loss))
+        routed.append(net.tokens_per_expert)
+        out = whole(x)
+        halves = [F.mse_loss(out[r * MICRO_BATCH // world:(r + 1) * MICRO_BATCH // world],
+                             y[r * MICRO_BATCH // world:(r + 1) * MICRO_BATCH // world]) for r in range(world)]
+        reference = sum(halves) / world
+        optimizer.zero_grad()
+        reference.backward()
+        optimizer.step()
+        reference_losses.append(reference.item())
+    pairs = [(p, shared[n]) for n, p in net.named_parameters() if n in shared]
+    pairs += [(expert.weight, experts[rank][0]), (expert.bias, experts[rank][1])]
+    worst = max((a.detach() - b.detach()).abs().max() for a, b in pairs).float().reshape(1)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {"losses": losses, "reference_losses": reference_losses, "max_weight_difference": worst.item(),
+            "tokens_per_expert": routed, "experts_differ": not torch.equal(*gathered["weight"])}
+
+
 def run_pipeline(device: torch.device) -> dict[str, Any]:
     """Two pipeline stages, one per rank, each step 2 micro-batches of 4, against the same model trained whole in
     this process with plain PyTorch (AdamW, the loss averaged over the micro-batches). Each rank compares the
@@ -309,6 +392,7 @@ def main() -> None:
         "zero1_fp16_after_an_overflow": run_resume(data, device, ds_config(1, MICRO_BATCH, 1, fp16=True), checkpoints,
                                                    "fp16", overflow_step=1),
     }
+    runs["moe"] = run_moe(device)
     # last: a pipeline engine leaves its grid in deepspeed.utils.groups, where later engines would find it
     runs["pipeline"] = run_pipeline(device)
     if rank == 0:

@@ -129,3 +129,12 @@ def test_two_pipeline_stages_train_as_the_whole_model_does_in_one_process(report
     for step, (a, b) in enumerate(zip(run["losses"], run["reference_losses"], strict=True)):
         assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"pipeline: step {step} loss {a!r} vs {b!r}"
     assert run["max_weight_difference"] <= WEIGHT_ATOL
+
+
+def test_moe_with_expert_parallel_2_computes_what_the_whole_network_does_in_one_process(report):
+    run = report["runs"]["moe"]
+    assert run["experts_differ"]  # one expert per rank, each its own weights: misrouted tokens would show
+    assert all(sum(counts[e] for counts in run["tokens_per_expert"]) > 0 for e in (0, 1)), run["tokens_per_expert"]
+    for step, (a, b) in enumerate(zip(run["losses"], run["reference_losses"], strict=True)):
+        assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"MoE: step {step} loss {a!r} vs {b!r}"
+    assert run["max_weight_difference"] <= WEIGHT_ATOL
