@@ -13,6 +13,7 @@ weights, and rank 0 writes every run's per-step losses (mean over ranks) and fin
 - ``dropout_checkpointed`` / ``dropout_not_checkpointed``: two blocks with dropout, through
   ``deepspeed.checkpointing.checkpoint`` or not (ZeRO-1, fp32, the same seeds), and checkpointed with other seeds;
 - ``moe``: an MoE layer with expert parallel 2 against the same network computed whole in one process;
+- ``autotp``: ``deepspeed.init_inference`` with tensor parallel 2 (AutoTP) against the unsharded model's logits;
 - ``pipeline``: two pipeline stages, one per rank, against the same model trained whole with plain PyTorch;
 - ``resumes``: with dropout, a run uninterrupted against one checkpointed after ``SAVE_AFTER`` steps and resumed
   by a fresh engine: ZeRO-2 + CPU offload + a warm-up/decay LR schedule, ZeRO-1 bf16, and ZeRO-1 fp16 after an
@@ -25,6 +26,7 @@ import devshim_core.auto  # noqa: F401, I001 - first: the only line a DeepSpeed 
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from deepspeed.accelerator import get_accelerator
 
 STEPS = 6
 MICRO_BATCH = 8
-FEATURES, HIDDEN = 16, 32
+FEATURES, HIDDEN, VOCAB = 16, 32, 50
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
 OVERFLOW_STEP = 2
 INITIAL_SCALE_POWER = 8
@@ -292,6 +294,53 @@ def run_pipeline(device: torch.device) -> dict[str, Any]:
             "stage_layers": [pipe._local_start, pipe._local_stop]}
 
 
+class TinyModel(torch.nn.Module):
+    """A decoder-shaped model AutoTP recognises without a policy: a ModuleList of blocks whose down_proj is the
+    row-parallel linear (its output all-reduced), up_proj column-parallel; 'Model' in the class name."""
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up_proj = torch.nn.Linear(HIDDEN, 4 * HIDDEN)
+            self.down_proj = torch.nn.Linear(4 * HIDDEN, HIDDEN)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down_proj(torch.nn.functional.gelu(self.up_proj(x)))
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.layers = torch.nn.ModuleList(TinyModel.Block() for _ in range(2))
+        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(x)
+
+
+def run_autotp(device: torch.device) -> dict[str, Any]:
+    """deepspeed.init_inference with tensor parallel 2 (AutoTP) against the unsharded model's logits."""
+    # DeepSpeed 0.19's AutoTP imports transformers whatever the model; a user installs it, these tests use the
+    # import-only stand-in (tests/e2e/standins), which no code path here calls into
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "standins"))
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0)).to(device)
+    whole = TinyModel().to(device).eval()
+    with torch.no_grad():
+        want = whole(ids)
+    engine = deepspeed.init_inference(TinyModel().eval(), tensor_parallel={"tp_size": 2}, dtype=torch.float32)
+    with torch.no_grad():
+        got = engine(ids)
+    up = engine.module.layers[0].up_proj
+    worst = (got.float() - want.float()).abs().max().reshape(1)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {"max_logit_difference": worst.item(), "up_proj_out_features": up.weight.shape[0],
+            "down_proj_class": type(engine.module.layers[0].down_proj).__name__,
+            "logits_device": str(got.device)}
+
+
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     get_accelerator().manual_seed(seed)
@@ -393,6 +442,7 @@ def main() -> None:
                                                    "fp16", overflow_step=1),
     }
     runs["moe"] = run_moe(device)
+    runs["autotp"] = run_autotp(device)
     # last: a pipeline engine leaves its grid in deepspeed.utils.groups, where later engines would find it
     runs["pipeline"] = run_pipeline(device)
     if rank == 0:

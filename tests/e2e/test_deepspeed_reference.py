@@ -138,3 +138,11 @@ def test_moe_with_expert_parallel_2_computes_what_the_whole_network_does_in_one_
     for step, (a, b) in enumerate(zip(run["losses"], run["reference_losses"], strict=True)):
         assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"MoE: step {step} loss {a!r} vs {b!r}"
     assert run["max_weight_difference"] <= WEIGHT_ATOL
+
+
+def test_the_autotp_inference_engine_shards_the_model_and_gives_the_unsharded_logits(report):
+    run = report["runs"]["autotp"]
+    assert run["up_proj_out_features"] == 4 * 32 // 2  # column-parallel: half the output features per rank
+    assert run["down_proj_class"] == "LinearAllreduce"  # row-parallel: partial sums all-reduced
+    assert run["logits_device"] == report["device"]
+    assert run["max_logit_difference"] <= 1e-5  # fp32; measured 4.8e-7 on cpu (reduction order)
