@@ -19,7 +19,10 @@ weights, and rank 0 writes every run's per-step losses (mean over ranks) and fin
   by a fresh engine: ZeRO-2 + CPU offload + a warm-up/decay LR schedule, ZeRO-1 bf16, and ZeRO-1 fp16 after an
   overflow (a loss scale that is no longer the initial one).
 
-Usage: torchrun --nproc-per-node 2 deepspeed_reference_job.py --report OUT.json
+- ``portable``: ZeRO-1 fp32 uninterrupted, and a checkpoint after ``SAVE_AFTER`` steps that a job on another
+  device resumes (``--load-foreign DIR``: that alone).
+
+Usage: torchrun --nproc-per-node 2 deepspeed_reference_job.py --report OUT.json [--load-foreign DIR]
 """
 
 import devshim_core.auto  # noqa: F401, I001 - first: the only line a DeepSpeed script adds
@@ -341,6 +344,27 @@ def run_autotp(device: torch.device) -> dict[str, Any]:
             "logits_device": str(got.device)}
 
 
+def run_portable(data: list, device: torch.device, checkpoints: str) -> dict[str, Any]:
+    """ZeRO-1 fp32 without dropout: the losses of an uninterrupted run, and a checkpoint after SAVE_AFTER steps
+    (tag 'portable') that a job on another device loads (``--load-foreign``)."""
+    config = ds_config(1, MICRO_BATCH, 1)
+    whole = deepspeed.initialize(model=make_model(), model_parameters=None, config=config)[0]
+    uninterrupted = train(whole, data, range(STEPS), device)
+    first = deepspeed.initialize(model=make_model(), model_parameters=None, config=config)[0]
+    train(first, data, range(SAVE_AFTER), device)
+    first.save_checkpoint(checkpoints, tag="portable")
+    return {"uninterrupted": uninterrupted}
+
+
+def load_foreign(data: list, device: torch.device, checkpoints: str) -> dict[str, Any]:
+    """Resume another device's 'portable' checkpoint here, from other weights, and train the remaining steps."""
+    engine = deepspeed.initialize(model=make_model(seed=99), model_parameters=None,
+                                  config=ds_config(1, MICRO_BATCH, 1))[0]
+    engine.load_checkpoint(checkpoints, tag="portable")
+    return {"losses": train(engine, data, range(SAVE_AFTER, STEPS), device),
+            "parameter_devices": sorted({str(p.device) for p in engine.module.parameters()})}
+
+
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     get_accelerator().manual_seed(seed)
@@ -400,6 +424,7 @@ def run_resume(data: list, device: torch.device, config: dict[str, Any], checkpo
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--report", required=True)
+    parser.add_argument("--load-foreign", metavar="DIR", help="only resume the 'portable' checkpoint in DIR")
     args = parser.parse_args()
     deepspeed.init_distributed()
     deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
@@ -408,6 +433,13 @@ def main() -> None:
     accelerator.set_device(rank)
     device = torch.device(accelerator.device_name(rank))
     data = batches(rank, world)
+    if args.load_foreign:
+        foreign = load_foreign(data, device, args.load_foreign)
+        if rank == 0:
+            with open(args.report, "w") as f:
+                json.dump({"world": world, "device": str(device), "foreign": foreign}, f)
+        dist.barrier()
+        return
     runs: dict[str, Any] = {"reference": run_reference(data, device)}
     for stage in range(4):
         runs[f"zero{stage}"] = run_deepspeed(data, device, ds_config(stage, MICRO_BATCH, 1))
@@ -441,6 +473,7 @@ def main() -> None:
         "zero1_fp16_after_an_overflow": run_resume(data, device, ds_config(1, MICRO_BATCH, 1, fp16=True), checkpoints,
                                                    "fp16", overflow_step=1),
     }
+    runs["portable"] = run_portable(data, device, checkpoints)
     runs["moe"] = run_moe(device)
     runs["autotp"] = run_autotp(device)
     # last: a pipeline engine leaves its grid in deepspeed.utils.groups, where later engines would find it

@@ -24,21 +24,32 @@ pytest.importorskip("deepspeed", reason="the end-to-end runs need the deepspeed 
 JOB = Path(__file__).resolve().parent / "deepspeed_reference_job.py"
 LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 1e-6
-_reports: dict[str, dict[str, Any]] = {}
+_jobs: dict[str, tuple[dict[str, Any], Path]] = {}
 
 
-@pytest.fixture(scope="module", params=(CPU, ASCEND), ids=("cpu", "npu"))
-def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One job per platform, shared by the specs below (each run is a few seconds; the launch is most of it)."""
-    platform: Platform = request.param
+def run_reference_job(platform: Platform, workdir: Path, *args: str) -> dict[str, Any]:
     if platform.emulated:
         build_emulator()
-    job = run_job("torchrun", [], tmp_path_factory.mktemp(f"reference-{platform.id}"), script=JOB,
+    job = run_job("torchrun", list(args), workdir, script=JOB,
                   env=platform.job_env({**platform.two_devices_env, "DEVSHIM_PLUGIN": platform.plugin}))
     result = job.report()
     assert result["world"] == 2 and result["device"] == platform.device_of_rank(0), result["device"]
     assert job.compiled_extensions() == [], job.compiled_extensions()
     return result
+
+
+def reference_job(platform: Platform, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """The job on ``platform``, run once per session: its report and its working directory."""
+    if platform.id not in _jobs:
+        workdir = tmp_path_factory.mktemp(f"reference-{platform.id}")
+        _jobs[platform.id] = (run_reference_job(platform, workdir), workdir)
+    return _jobs[platform.id]
+
+
+@pytest.fixture(scope="module", params=(CPU, ASCEND), ids=("cpu", "npu"))
+def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One job per platform, shared by the specs below (each run is a few seconds; the launch is most of it)."""
+    return reference_job(request.param, tmp_path_factory)[0]
 
 
 def assert_same_run(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
@@ -146,3 +157,13 @@ def test_the_autotp_inference_engine_shards_the_model_and_gives_the_unsharded_lo
     assert run["down_proj_class"] == "LinearAllreduce"  # row-parallel: partial sums all-reduced
     assert run["logits_device"] == report["device"]
     assert run["max_logit_difference"] <= 1e-5  # fp32; measured 4.8e-7 on cpu (reduction order)
+
+
+def test_a_checkpoint_written_on_the_emulated_npu_resumes_on_the_cpu(tmp_path_factory):
+    npu, npu_dir = reference_job(ASCEND, tmp_path_factory)
+    cpu = run_reference_job(CPU, tmp_path_factory.mktemp("foreign-on-cpu"), "--load-foreign",
+                            str(npu_dir / "checkpoints"))
+    assert cpu["foreign"]["parameter_devices"] == ["cpu"]
+    want = npu["runs"]["portable"]["uninterrupted"][npu["save_after"]:]
+    for step, (a, b) in enumerate(zip(cpu["foreign"]["losses"], want, strict=True)):
+        assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"resumed on cpu, step {step}: {a!r} vs npu's {b!r}"
