@@ -22,6 +22,8 @@ weights, and rank 0 writes every run's per-step losses (mean over ranks) and fin
 - ``portable``: ZeRO-1 fp32 uninterrupted, and a checkpoint after ``SAVE_AFTER`` steps that a job on another
   device resumes (``--load-foreign DIR``: that alone).
 
+``--load-universal DIR`` alone: load a universal checkpoint into ZeRO-3 and report the weights (any world size).
+
 Usage: torchrun --nproc-per-node 2 deepspeed_reference_job.py --report OUT.json [--load-foreign DIR]
 """
 
@@ -165,9 +167,11 @@ def train(engine: Any, data: list, steps: range, device: torch.device, overflow_
 
 
 def run_deepspeed(data: list, device: torch.device, config: dict[str, Any],
-                  on_step: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
+                  on_step: Callable[[int, Any], None] | None = None, save_to: str | None = None) -> dict[str, Any]:
     engine, _, _, _ = deepspeed.initialize(model=make_model(), model_parameters=None, config=config)
     losses = train(engine, data, range(STEPS), device, OVERFLOW_STEP if config.get("fp16") else None, on_step)
+    if save_to is not None:  # tag: the ZeRO stage
+        engine.save_checkpoint(save_to, tag=f"zero{config['zero_optimization']['stage']}")
     if config["zero_optimization"]["stage"] == 3:
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             parameters = host_parameters(engine.module)
@@ -365,6 +369,19 @@ def load_foreign(data: list, device: torch.device, checkpoints: str) -> dict[str
             "parameter_devices": sorted({str(p.device) for p in engine.module.parameters()})}
 
 
+def load_universal(folder: Path) -> dict[str, Any]:
+    """Load a universal checkpoint (``ds_to_universal`` of a ZeRO-3 run on another world size) into ZeRO-3."""
+    config = ds_config(3, MICRO_BATCH, 1)
+    config["checkpoint"] = {"load_universal": True}
+    engine = deepspeed.initialize(model=make_model(seed=99), model_parameters=None, config=config)[0]
+    engine.load_checkpoint(str(folder.parent), tag=folder.name)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        parameters = host_parameters(engine.module)
+    states = engine.optimizer.optimizer.state.values()
+    return {"parameters": parameters, "global_steps": engine.global_steps,
+            "adam_states_nonzero": bool(states) and all(bool(s["exp_avg"].any()) for s in states)}
+
+
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     get_accelerator().manual_seed(seed)
@@ -425,6 +442,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--report", required=True)
     parser.add_argument("--load-foreign", metavar="DIR", help="only resume the 'portable' checkpoint in DIR")
+    parser.add_argument("--load-universal", metavar="DIR", type=Path, help="only load this universal checkpoint")
     args = parser.parse_args()
     deepspeed.init_distributed()
     deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
@@ -433,16 +451,19 @@ def main() -> None:
     accelerator.set_device(rank)
     device = torch.device(accelerator.device_name(rank))
     data = batches(rank, world)
-    if args.load_foreign:
-        foreign = load_foreign(data, device, args.load_foreign)
+    if args.load_foreign or args.load_universal:
+        loaded = (load_foreign(data, device, args.load_foreign) if args.load_foreign
+                  else load_universal(args.load_universal))
         if rank == 0:
             with open(args.report, "w") as f:
-                json.dump({"world": world, "device": str(device), "foreign": foreign}, f)
+                json.dump({"world": world, "device": str(device), "loaded": loaded}, f)
         dist.barrier()
         return
+    checkpoints = str(Path(args.report).parent / "checkpoints")
     runs: dict[str, Any] = {"reference": run_reference(data, device)}
     for stage in range(4):
-        runs[f"zero{stage}"] = run_deepspeed(data, device, ds_config(stage, MICRO_BATCH, 1))
+        runs[f"zero{stage}"] = run_deepspeed(data, device, ds_config(stage, MICRO_BATCH, 1),
+                                             save_to=checkpoints if stage == 3 else None)
     runs["gas1_mb8"] = runs["zero1"]
     runs["gas2_mb4"] = run_deepspeed(data, device, ds_config(1, MICRO_BATCH // 2, 2))
 
@@ -460,7 +481,6 @@ def main() -> None:
     runs["dropout_not_checkpointed"] = run_checkpointing(data, device, checkpointing=False)
     runs["dropout_checkpointed_other_seed"] = run_checkpointing(data, device, checkpointing=True, seed=300)
 
-    checkpoints = str(Path(args.report).parent / "checkpoints")
     offload = ds_config(2, MICRO_BATCH, 1)
     offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     offload["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": ADAMW["lr"],

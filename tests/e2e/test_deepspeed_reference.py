@@ -10,6 +10,8 @@ exact (``==``).
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +29,13 @@ WEIGHT_ATOL = 1e-6
 _jobs: dict[str, tuple[dict[str, Any], Path]] = {}
 
 
-def run_reference_job(platform: Platform, workdir: Path, *args: str) -> dict[str, Any]:
+def run_reference_job(platform: Platform, workdir: Path, *args: str, ranks: int = 2) -> dict[str, Any]:
     if platform.emulated:
         build_emulator()
-    job = run_job("torchrun", list(args), workdir, script=JOB,
+    job = run_job("torchrun", list(args), workdir, script=JOB, ranks=ranks,
                   env=platform.job_env({**platform.two_devices_env, "DEVSHIM_PLUGIN": platform.plugin}))
     result = job.report()
-    assert result["world"] == 2 and result["device"] == platform.device_of_rank(0), result["device"]
+    assert result["world"] == ranks and result["device"] == platform.device_of_rank(0), result["device"]
     assert job.compiled_extensions() == [], job.compiled_extensions()
     return result
 
@@ -163,7 +165,32 @@ def test_a_checkpoint_written_on_the_emulated_npu_resumes_on_the_cpu(tmp_path_fa
     npu, npu_dir = reference_job(ASCEND, tmp_path_factory)
     cpu = run_reference_job(CPU, tmp_path_factory.mktemp("foreign-on-cpu"), "--load-foreign",
                             str(npu_dir / "checkpoints"))
-    assert cpu["foreign"]["parameter_devices"] == ["cpu"]
+    assert cpu["loaded"]["parameter_devices"] == ["cpu"]
     want = npu["runs"]["portable"]["uninterrupted"][npu["save_after"]:]
-    for step, (a, b) in enumerate(zip(cpu["foreign"]["losses"], want, strict=True)):
+    for step, (a, b) in enumerate(zip(cpu["loaded"]["losses"], want, strict=True)):
         assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"resumed on cpu, step {step}: {a!r} vs npu's {b!r}"
+
+
+def test_a_zero3_checkpoint_converted_by_zero_to_fp32_holds_the_trained_weights(tmp_path_factory):
+    # a plain fp32 state dict: what a model of any ZeRO stage, or none, loads
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    trained, workdir = reference_job(CPU, tmp_path_factory)
+    state = get_fp32_state_dict_from_zero_checkpoint(str(workdir / "checkpoints"), tag="zero3")
+    assert [t.flatten().tolist() for t in state.values()] == trained["runs"]["zero3"]["parameters"]
+
+
+def test_a_zero3_checkpoint_made_universal_loads_on_one_rank(tmp_path_factory):
+    # into ZeRO-3: DeepSpeed 0.19 cannot load a universal checkpoint of a ZeRO-3 run into ZeRO-1 (it looks for
+    # mp_rank_00_model_states.pt; the converted folder holds ZeRO-3's zero_pp_rank_* files), on any device
+    trained, workdir = reference_job(CPU, tmp_path_factory)
+    universal = workdir / "checkpoints" / "zero3_universal"
+    convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                              str(workdir / "checkpoints" / "zero3"), "--output_folder", str(universal)],
+                             capture_output=True, text=True, timeout=300)
+    assert convert.returncode == 0, convert.stderr[-3000:]
+    loaded = run_reference_job(CPU, tmp_path_factory.mktemp("universal-on-1-rank"), "--load-universal",
+                               str(universal), ranks=1)["loaded"]
+    assert loaded["parameters"] == trained["runs"]["zero3"]["parameters"]  # 2 ranks -> 1 rank
+    assert loaded["global_steps"] == len(trained["runs"]["zero3"]["losses"])
+    assert loaded["adam_states_nonzero"]  # the optimizer state came too, not only the weights
