@@ -12,19 +12,20 @@ weights, and rank 0 writes every run's per-step losses (mean over ranks) and fin
   inf, so its gradients overflow;
 - ``dropout_checkpointed`` / ``dropout_not_checkpointed``: two blocks with dropout, through
   ``deepspeed.checkpointing.checkpoint`` or not (ZeRO-1, fp32, the same seeds), and checkpointed with other seeds;
-- ``moe``: an MoE layer with expert parallel 2 against the same network computed whole in one process;
-- ``autotp``: ``deepspeed.init_inference`` with tensor parallel 2 (AutoTP) against the unsharded model's logits;
-- ``pipeline``: two pipeline stages, one per rank, against the same model trained whole with plain PyTorch;
 - ``resumes``: with dropout, a run uninterrupted against one checkpointed after ``SAVE_AFTER`` steps and resumed
   by a fresh engine: ZeRO-2 + CPU offload + a warm-up/decay LR schedule, ZeRO-1 bf16, and ZeRO-1 fp16 after an
-  overflow (a loss scale that is no longer the initial one).
-
+  overflow (a loss scale that is no longer the initial one);
 - ``portable``: ZeRO-1 fp32 uninterrupted, and a checkpoint after ``SAVE_AFTER`` steps that a job on another
-  device resumes (``--load-foreign DIR``: that alone).
+  device resumes; ``zero3`` also leaves its final checkpoint, for the conversion tools;
+- ``moe``: an MoE layer with expert parallel 2 against the same network computed whole in one process;
+- ``autotp``: ``deepspeed.init_inference`` with tensor parallel 2 (AutoTP) against the unsharded model's logits;
+- ``pipeline``: two pipeline stages, one per rank, against the same model trained whole with plain PyTorch.
 
-``--load-universal DIR`` alone: load a universal checkpoint into ZeRO-3 and report the weights (any world size).
+``--load-foreign DIR`` alone: resume another device's ``portable`` checkpoint here. ``--load-universal DIR``
+alone: load a universal checkpoint into ZeRO-3 and report the weights (any world size).
 
-Usage: torchrun --nproc-per-node 2 deepspeed_reference_job.py --report OUT.json [--load-foreign DIR]
+Usage: torchrun --nproc-per-node 2 deepspeed_reference_job.py --report OUT.json [--load-foreign DIR |
+--load-universal DIR]
 """
 
 import devshim_core.auto  # noqa: F401, I001 - first: the only line a DeepSpeed script adds
