@@ -578,22 +578,14 @@ def _other_builder_names() -> list[str]:
     return sorted(names)
 
 
-def test_kernel_injection_is_refused_naming_the_op_and_what_to_use_instead():
-    with pytest.raises(RuntimeError, match=r"'InferenceBuilder' is not available through devshim plugin "
-                                           r"'cpu_reference': devshim has no implementation of InferenceBuilder "
-                                           r"\(kernel injection .*replace_with_kernel_inject=False shards the model "
-                                           r"with AutoTP instead\)"):
-        deepspeed.ops.op_builder.InferenceBuilder().load()
-
-
 @pytest.mark.parametrize("builder_name", _other_builder_names())
 def test_every_other_deepspeed_op_is_devshims_not_implemented_builder_which_never_compiles(builder_name):
     builder_class = getattr(deepspeed.ops.op_builder, builder_name)
-    assert issubclass(builder_class, devshim_builders.NotImplementedBuilder)
+    assert builder_class is devshim_builders.NotImplementedBuilder
     builder = builder_class()
     assert builder.is_compatible() is False
-    for load in (builder.load, builder.jit_load):  # the error names the op the user's feature asked for
-        with pytest.raises(RuntimeError, match=f"no implementation of {builder_name}.*devshim never JIT-compiles"):
+    for load in (builder.load, builder.jit_load):
+        with pytest.raises(RuntimeError, match="devshim never JIT-compiles DeepSpeed ops"):
             load()
     with pytest.raises(RuntimeError, match="nothing to compile"):
         builder.builder()

@@ -317,10 +317,7 @@ class DevshimAccelerator(DeepSpeedAccelerator):
         if class_name in _NO_BUILDER:
             return None
         builders = self._builders()
-        served = builders.get(class_name)
-        if served is None or served is builders["NotImplementedBuilder"]:
-            return importlib.import_module(OP_BUILDER_PACKAGE).not_implemented(class_name)
-        return served
+        return builders.get(class_name, builders["NotImplementedBuilder"])
 
     def create_op_builder(self, class_name: str) -> Any:
         builder_class = self.get_op_builder(class_name)

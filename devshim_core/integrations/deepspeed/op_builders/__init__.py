@@ -5,6 +5,6 @@ Imported lazily by the accelerator, never at DeepSpeed import time's first step:
 """
 
 from devshim_core.integrations.deepspeed.op_builders.adam import CPUAdamBuilder, FusedAdamBuilder
-from devshim_core.integrations.deepspeed.op_builders.not_implemented import NotImplementedBuilder, not_implemented
+from devshim_core.integrations.deepspeed.op_builders.not_implemented import NotImplementedBuilder
 
-__all__ = ["CPUAdamBuilder", "FusedAdamBuilder", "NotImplementedBuilder", "not_implemented"]
+__all__ = ["CPUAdamBuilder", "FusedAdamBuilder", "NotImplementedBuilder"]
