@@ -28,7 +28,8 @@ from plugin_fixtures import DEVSHIM_SCRIPT, PYTHON, checked_json, clean_env
 
 from devshim_core import session
 from devshim_core.device import Device
-from devshim_core.integrations.cuda_redirect import coverage
+from devshim_core.integrations.cuda_redirect import coverage, wrappers
+from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
 from devshim_core.patching import REGISTRY
 
 ENV = {"DEVSHIM_PLUGIN": "cpu_reference", "DEVSHIM_PATCH_DEEPSPEED": "0", "DEVSHIM_PATCH_MEGATRON": "0"}
@@ -623,7 +624,6 @@ def test_the_redirect_was_installed_with_its_native_wrappers(cuda):
     import pickle
 
     # devshim-core's install compiles them (setup.py); this fails if a build breaks and the fallback hides it
-    from devshim_core.integrations.cuda_redirect import wrappers
     assert wrappers.IMPLEMENTATION == "native"
     assert type(torch.empty).__name__ == "DeviceArgument" and type(torch.Tensor.to).__name__ == "DeviceArgument"
     assert torch.empty.__devshim_original__(0).device == CPU
@@ -632,8 +632,6 @@ def test_the_redirect_was_installed_with_its_native_wrappers(cuda):
 
 @pytest.mark.parametrize("native", IMPLEMENTATIONS)
 def test_a_device_keyword_is_mapped_and_everything_else_reaches_the_original_as_given(cuda, native):
-    from devshim_core.integrations.cuda_redirect import wrappers
-    from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
     call = wrappers.device_keyword(echo, DeviceMap(cuda), native=native)
     one = cuda.torch_device(1)
     current = cuda.torch_device(0)
@@ -651,8 +649,6 @@ def test_a_device_keyword_is_mapped_and_everything_else_reaches_the_original_as_
 
 @pytest.mark.parametrize("native", IMPLEMENTATIONS)
 def test_to_maps_a_leading_device_a_device_keyword_and_leaves_dtypes_and_tensors(cuda, native):
-    from devshim_core.integrations.cuda_redirect import wrappers
-    from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
 
     class Box:
         to = wrappers.method_to(echo, DeviceMap(cuda), native=native)
@@ -674,8 +670,6 @@ def test_to_maps_a_leading_device_a_device_keyword_and_leaves_dtypes_and_tensors
 def test_a_wrapper_reads_as_the_function_it_wraps_and_lets_its_errors_through(cuda, native):
     import inspect
 
-    from devshim_core.integrations.cuda_redirect import wrappers
-    from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
     call = wrappers.device_keyword(echo, DeviceMap(cuda), native=native)
     assert (call.__name__, call.__wrapped__, call.__devshim_original__) == ("echo", echo, echo)
     assert inspect.signature(call) == inspect.signature(echo)
@@ -688,8 +682,6 @@ def test_a_wrapper_holds_no_reference_it_does_not_own(cuda, native):
     import gc
     import weakref
 
-    from devshim_core.integrations.cuda_redirect import wrappers
-    from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
     devices = DeviceMap(cuda)
     call = wrappers.device_keyword(echo, devices, native=native)
     spec = "cuda:1"

@@ -109,6 +109,20 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return total.item() / dist.get_world_size()
 
 
+def max_over_ranks(value: torch.Tensor) -> float:
+    largest = value.detach().float().reshape(1)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.item()
+
+
+def trained_parameters(engine: Any) -> list[list[float]]:
+    """The engine's weights on the host, gathered first when ZeRO-3 partitions them."""
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            return host_parameters(engine.module)
+    return host_parameters(engine.module)
+
+
 def host_parameters(model: torch.nn.Module) -> list[list[float]]:
     return [p.detach().float().cpu().flatten().tolist() for p in model.parameters()]
 
@@ -173,12 +187,7 @@ def run_deepspeed(data: list, device: torch.device, config: dict[str, Any],
     losses = train(engine, data, range(STEPS), device, OVERFLOW_STEP if config.get("fp16") else None, on_step)
     if save_to is not None:  # tag: the ZeRO stage
         engine.save_checkpoint(save_to, tag=f"zero{config['zero_optimization']['stage']}")
-    if config["zero_optimization"]["stage"] == 3:
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            parameters = host_parameters(engine.module)
-    else:
-        parameters = host_parameters(engine.module)
-    return {"losses": losses, "parameters": parameters, "global_steps": engine.global_steps,
+    return {"losses": losses, "parameters": trained_parameters(engine), "global_steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps}
 
 
@@ -258,9 +267,8 @@ def run_moe(device: torch.device) -> dict[str, Any]:
         reference_losses.append(reference.item())
     pairs = [(p, shared[n]) for n, p in net.named_parameters() if n in shared]
     pairs += [(expert.weight, experts[rank][0]), (expert.bias, experts[rank][1])]
-    worst = max((a.detach() - b.detach()).abs().max() for a, b in pairs).float().reshape(1)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {"losses": losses, "reference_losses": reference_losses, "max_weight_difference": worst.item(),
+    worst = max_over_ranks(max((a.detach() - b.detach()).abs().max() for a, b in pairs))
+    return {"losses": losses, "reference_losses": reference_losses, "max_weight_difference": worst,
             "tokens_per_expert": routed, "experts_differ": not torch.equal(*gathered["weight"])}
 
 
@@ -295,10 +303,9 @@ def run_pipeline(device: torch.device) -> dict[str, Any]:
     losses = [float(engine.train_batch(data_iter=iter(list(zip(x.split(half), y.split(half), strict=True)))))
               for x, y in data]
     mine = [p for i in range(pipe._local_start, pipe._local_stop) for p in reference[i].parameters()]
-    worst = max((a.detach() - b.detach()).abs().max() for a, b in zip(pipe.parameters(), mine, strict=True))
-    worst = worst.float().reshape(1)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {"losses": losses, "reference_losses": reference_losses, "max_weight_difference": worst.item(),
+    worst = max_over_ranks(max((a.detach() - b.detach()).abs().max()
+                               for a, b in zip(pipe.parameters(), mine, strict=True)))
+    return {"losses": losses, "reference_losses": reference_losses, "max_weight_difference": worst,
             "stage_layers": [pipe._local_start, pipe._local_stop]}
 
 
@@ -342,9 +349,8 @@ def run_autotp(device: torch.device) -> dict[str, Any]:
     with torch.no_grad():
         got = engine(ids)
     up = engine.module.layers[0].up_proj
-    worst = (got.float() - want.float()).abs().max().reshape(1)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {"max_logit_difference": worst.item(), "up_proj_out_features": up.weight.shape[0],
+    return {"max_logit_difference": max_over_ranks((got.float() - want.float()).abs().max()),
+            "up_proj_out_features": up.weight.shape[0],
             "down_proj_class": type(engine.module.layers[0].down_proj).__name__,
             "logits_device": str(got.device)}
 
@@ -376,10 +382,8 @@ def load_universal(folder: Path) -> dict[str, Any]:
     config["checkpoint"] = {"load_universal": True}
     engine = deepspeed.initialize(model=make_model(seed=99), model_parameters=None, config=config)[0]
     engine.load_checkpoint(str(folder.parent), tag=folder.name)
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        parameters = host_parameters(engine.module)
     states = engine.optimizer.optimizer.state.values()
-    return {"parameters": parameters, "global_steps": engine.global_steps,
+    return {"parameters": trained_parameters(engine), "global_steps": engine.global_steps,
             "adam_states_nonzero": bool(states) and all(bool(s["exp_avg"].any()) for s in states)}
 
 
