@@ -11,6 +11,7 @@ from devshim_core.records import (
     CollectivesSpec,
     DeviceReport,
     DeviceTraits,
+    OffloadIO,
     OptimizerKernels,
 )
 
@@ -22,6 +23,7 @@ __all__ = [
     "CollectivesSpec",
     "DeviceReport",
     "DeviceTraits",
+    "OffloadIO",
     "OptimizerKernels",
     "__version__",
     "hookimpl",

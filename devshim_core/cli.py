@@ -108,6 +108,8 @@ def _print_info(report: dict[str, Any]) -> None:
         for area, source in d["kernel_sources"].items():
             if source:
                 print(f"  {area} kernels from {source}")
+        offload = d["offload_io"]
+        print(f"  offload file I/O (NVMe offload): {offload['source'] or ('yes' if offload['file_io'] else 'none')}")
     if "integrations" in report:
         print("integrations:")
         for name, status in report["integrations"].items():

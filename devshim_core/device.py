@@ -25,6 +25,7 @@ from devshim_core.records import (
     CollectivesSpec,
     DeviceReport,
     DeviceTraits,
+    OffloadIO,
     OptimizerKernels,
 )
 from devshim_core.selection import Selection
@@ -50,7 +51,7 @@ class Device:
 
     def __init__(self, info: DeviceInfo, module: Any, traits: DeviceTraits, collectives: CollectivesSpec,
                  allocator: AllocatorSpec, optimizer: OptimizerKernels, attention: AttentionKernels,
-                 patches: tuple[Patch, ...]) -> None:
+                 offload_io: OffloadIO, patches: tuple[Patch, ...]) -> None:
         self.info = info
         self.type: str = info.report.device_type
         self.module = module
@@ -59,6 +60,7 @@ class Device:
         self.allocator = allocator
         self.optimizer = optimizer
         self.attention = attention
+        self.offload_io = offload_io
         self.patches = patches
 
         # device and RNG: the plugin's functions, bound once
@@ -132,6 +134,7 @@ class Device:
                                   for k in ("attention", "rms_norm", "swiglu", "rotary", "masked_softmax",
                                             "wgrad_accumulate")},
             "kernel_sources": {"optimizer": optimizer.source, "attention": attention.source},
+            "offload_io": {"file_io": self.offload_io.file_io is not None, "source": self.offload_io.source},
         }
 
 
@@ -180,6 +183,7 @@ def build_device(registry: PluginRegistry, selection: Selection) -> Device:
     _check_allocator_config(record.name, allocator)
     optimizer = _checked(registry, record, "devshim_optimizer_kernels", OptimizerKernels, OptimizerKernels())
     attention = _checked(registry, record, "devshim_attention_kernels", AttentionKernels, AttentionKernels())
+    offload_io = _checked(registry, record, "devshim_offload_io", OffloadIO, OffloadIO())
     patch_lists = _checked(registry, record, "devshim_patches", list, [])
     answers = [answer for answer in patch_lists if answer is not None]
     if any(not isinstance(answer, (list, tuple)) for answer in answers):
@@ -191,4 +195,4 @@ def build_device(registry: PluginRegistry, selection: Selection) -> Device:
         raise PluginError(f"plugin {record.name!r}: devshim_patches returned non-Patch items {bad!r:.200}.")
     info = DeviceInfo(plugin=record.name, distribution=record.distribution, version=record.version,
                       selection_reason=selection.reason, report=record.report)
-    return Device(info, module, traits, collectives, allocator, optimizer, attention, patches)
+    return Device(info, module, traits, collectives, allocator, optimizer, attention, offload_io, patches)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         DeviceModule,
         DeviceReport,
         DeviceTraits,
+        OffloadIO,
         OptimizerKernels,
     )
 
@@ -134,6 +135,22 @@ def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels | None:
     nothing is compiled. ``None`` overall means all three are absent. Without ``host_adam_rollback``, the
     ``cpu_adam`` op's ``adam_rollback`` returns -1 with the error on stderr, as the compiled op does for
     what it cannot undo (DeepSpeed 0.19 ignores that code: provide it if your users roll steps back).
+    """
+
+
+# -- offload to local storage -----------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def devshim_offload_io(report: DeviceReport) -> OffloadIO | None:
+    """Provide the host file I/O that offloading to local storage runs on, whatever the device: ZeRO-Infinity
+    swaps parameters and optimizer state between host buffers and files on it.
+
+    Return: an :class:`OffloadIO`. devshim serves DeepSpeed's ``async_io`` op with its ``file_io`` (handles,
+    synchronous and asynchronous reads and writes, ``wait``, pinned host buffers); a transfer that fails raises
+    :class:`OSError` naming the file, never DeepSpeed's -1. ``None``, or ``file_io=None``, means the op refuses
+    to load with a RuntimeError naming the plugin, so ``offload_param``/``offload_optimizer`` with
+    ``device: nvme`` fail at engine creation; nothing is compiled.
     """
 
 

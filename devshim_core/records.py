@@ -235,6 +235,39 @@ class OptimizerKernels:
     source: str = ""
 
 
+class AsyncFileIO(Protocol):
+    """Asynchronous transfers between contiguous host tensors and files, made by :class:`OffloadIO`.
+
+    ``submit`` queues a read of ``target`` into ``buffer`` (``read=True``) or a write of ``buffer`` to it, at
+    ``file_offset``, and returns at once; ``target`` is a path (opened, created for a write, and closed by the
+    engine) or an open file descriptor (left open). ``wait`` blocks until every queued transfer is done and
+    returns how many there were, raising :class:`OSError` naming the file if one failed. ``close`` finishes
+    queued work and releases the engine's threads. ``threads`` is how many transfers run at once.
+    """
+
+    threads: int
+
+    def submit(self, read: bool, buffer: Any, target: str | int, file_offset: int = 0) -> None: ...
+
+    def wait(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class OffloadIO:
+    """Host file I/O for offloading to local storage (``devshim_offload_io``).
+
+    ``file_io(threads, block_size)`` makes an :class:`AsyncFileIO` that moves ``block_size``-byte chunks on
+    ``threads`` threads. DeepSpeed's ``async_io`` op (ZeRO-Infinity's NVMe offload, the fast checkpoint writer)
+    runs on it. ``None`` means the plugin has none: the op then refuses to load naming the plugin and
+    ``source``, which should say why.
+    """
+
+    file_io: Callable[[int, int], AsyncFileIO] | None = None
+    source: str = ""
+
+
 @dataclass(frozen=True)
 class AttentionKernels:
     """Attention and the fused ops that ride with it (``devshim_attention_kernels``), each ``None`` when

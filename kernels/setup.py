@@ -1,8 +1,9 @@
-"""Builds the optional native host Adam kernel (plain C, loaded with ctypes) when the distribution is installed.
+"""Builds the optional native libraries (plain C, loaded with ctypes) when the distribution is installed: the host
+Adam kernel and the asynchronous file I/O pool.
 
-Everything else is declared in pyproject.toml. The kernel is an optimisation: if there is no C compiler, or
-the build fails, the package still installs and ``devshim_kernels.adam`` runs on PyTorch
-(``devshim_kernels.adam.implementation()`` says which). It is compiled here, ahead of time, never at run time.
+Everything else is declared in pyproject.toml. If there is no C compiler, or a build fails, the package still
+installs: ``devshim_kernels.adam`` runs on PyTorch (``devshim_kernels.adam.implementation()`` says which), and
+``devshim_kernels.file_io`` says why it is unavailable. Both are compiled here, ahead of time, never at run time.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class OptionalNativeBuildExt(build_ext):
         try:
             super().build_extension(ext)
         except Exception as error:  # any compiler or linker failure: install without the native kernel
-            print(f"warning: devshim_kernels: building the native Adam kernel failed ({error}); "
-                  "the PyTorch implementation will be used", file=sys.stderr)
+            print(f"warning: devshim_kernels: building {ext.name} failed ({error}); "
+                  "installing without it", file=sys.stderr)
 
     def get_export_symbols(self, ext: Extension) -> list[str]:
         return list(ext.export_symbols or [])  # not a Python module: there is no PyInit_ function to export
@@ -43,6 +44,9 @@ setup(
         Extension("devshim_kernels._native._adam", sources=["devshim_kernels/_native/adam.c"], optional=True,
                   export_symbols=["devshim_adam_abi_version", "devshim_adam_best_isa", "devshim_adam_has_threads",
                                   "devshim_adam_step"]),
+        Extension("devshim_kernels._native._aio", sources=["devshim_kernels/_native/aio.c"], optional=True,
+                  export_symbols=["devshim_aio_abi_version", "devshim_aio_create", "devshim_aio_threads",
+                                  "devshim_aio_submit", "devshim_aio_wait", "devshim_aio_destroy"]),
     ],
     cmdclass={"build_ext": OptionalNativeBuildExt},
 )

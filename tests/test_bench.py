@@ -109,3 +109,11 @@ def test_the_megatron_step_benchmark_refuses_a_run_on_the_wrong_paths():
     for contender, paths in (("fused", unfused), ("redirect", fused), ("redirect", {**unfused, "device": "npu:0"})):
         with pytest.raises(RuntimeError, match=contender):
             _check_paths(contender, paths)
+
+
+def test_the_file_io_benchmark_moves_bytes_through_devshims_async_io_op(quick_report):
+    notes = {n["name"]: n for n in quick_report[0]["notes"] if n["group"] == "file_io"}
+    moved = [n for name, n in notes.items() if name.startswith("devshim async_io ")]
+    assert {n["name"].split(",")[0] for n in moved} == {"devshim async_io write", "devshim async_io read"}
+    assert all(n["unit"] == "GB/s" and n["value"] > 0 for n in moved)
+    assert any(name.startswith("DeepSpeed's libaio op not run: not measured (--quick)") for name in notes)

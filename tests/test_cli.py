@@ -112,10 +112,12 @@ def test_info_describes_the_device_and_the_versions(info):
 
 def test_info_says_where_the_kernels_come_from_and_which_adam_implementation_runs(info):
     import devshim_kernels
+    import devshim_kernels.file_io
 
     sources = info["device"]["kernel_sources"]
     assert sources == {"optimizer": f"devshim_kernels, {devshim_kernels.implementation()}",
                        "attention": "devshim_kernels"}
+    assert info["device"]["offload_io"] == {"file_io": True, "source": devshim_kernels.file_io.describe()}
 
 
 def test_info_in_text_form_with_every_integration_switched_off_says_so_and_patches_nothing(cli):

@@ -408,7 +408,8 @@ def check_create_op_builder(acc):
 def check_get_op_builder(acc):
     assert acc.get_op_builder("CPUAdamBuilder") is devshim_builders.CPUAdamBuilder
     assert acc.get_op_builder("FusedAdamBuilder") is devshim_builders.FusedAdamBuilder
-    assert acc.get_op_builder("AsyncIOBuilder") is devshim_builders.NotImplementedBuilder
+    assert acc.get_op_builder("AsyncIOBuilder") is devshim_builders.AsyncIOBuilder
+    assert acc.get_op_builder("GDSBuilder") is devshim_builders.NotImplementedBuilder
     assert acc.get_op_builder("ShareMemCommBuilder") is None
 
 

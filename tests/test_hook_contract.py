@@ -28,7 +28,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from plugin_fixtures import FakePlugin, only
 
-from devshim_core import CollectivesSpec, DeviceReport, OptimizerKernels, hookimpl, session
+from devshim_core import CollectivesSpec, DeviceReport, OffloadIO, OptimizerKernels, hookimpl, session
 from devshim_core.device import build_device
 from devshim_core.errors import PatchError, PluginError
 from devshim_core.patching import REGISTRY, Patch, Requirement, SetAttribute
@@ -119,6 +119,42 @@ def test_without_optimizer_kernels_fused_adam_and_cpu_adam_cannot_be_created(mon
             DeepSpeedCPUAdam(params)
         assert str(host.value) == "DeepSpeedCPUAdam requires the cpu_adam op, which failed to build/load."
         assert str(host.value.__cause__) == refusal("cpu_adam", "host Adam")
+
+
+class AnswersNoOffloadIO(FakePlugin):
+    @hookimpl
+    def devshim_optimizer_kernels(self, report: DeviceReport) -> OptimizerKernels:
+        import devshim_kernels
+
+        return OptimizerKernels(host_adam_step=devshim_kernels.host_adam_step)
+
+    @hookimpl
+    def devshim_offload_io(self, report: DeviceReport) -> OffloadIO:
+        return OffloadIO(file_io=None, source="unavailable: built without a C compiler")
+
+
+def test_without_offload_file_io_zero_infinity_to_nvme_refuses_at_engine_creation_naming_the_plugin(tmp_path,
+                                                                                                    monkeypatch):
+    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():  # as a launcher sets them
+        monkeypatch.setenv(name, value)
+    with activated_on(AnswersNoOffloadIO(priority=1)):
+        builder = deepspeed.ops.op_builder.AsyncIOBuilder()
+        assert builder.is_compatible() is False
+        with pytest.raises(RuntimeError) as excinfo:
+            builder.load()
+        assert str(excinfo.value) == (
+            f"DeepSpeed op 'async_io' is not available through devshim plugin {PLUGIN!r}: the plugin provides no "
+            "asynchronous file I/O (unavailable: built without a C compiler). devshim never JIT-compiles "
+            "DeepSpeed ops.")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                              "nvme_path": str(tmp_path)}}}
+            with pytest.raises(RuntimeError, match="'async_io' is not available through devshim plugin"):
+                deepspeed.initialize(model=torch.nn.Linear(4, 4), config=config)
+        finally:
+            dist.destroy_process_group()
 
 
 def test_the_suites_session_is_back_and_serves_the_adam_ops_again():

@@ -57,7 +57,7 @@ def counting_device(base: Device, **replaced: Any) -> Device:
     wrapped = {op: counted(op, getattr(base.attention, op)) for op in OPS}
     kernels = dataclasses.replace(base.attention, **{**wrapped, **replaced})
     return Device(base.info, base.module, base.traits, base.collectives, base.allocator, base.optimizer, kernels,
-                  base.patches)
+                  base.offload_io, base.patches)
 
 
 BASE = _cpu_reference()

@@ -15,6 +15,8 @@ weights, and rank 0 writes every run's per-step losses (mean over ranks) and fin
 - ``resumes``: with dropout, a run uninterrupted against one checkpointed after ``SAVE_AFTER`` steps and resumed
   by a fresh engine: ZeRO-2 + CPU offload + a warm-up/decay LR schedule, ZeRO-1 bf16, and ZeRO-1 fp16 after an
   overflow (a loss scale that is no longer the initial one);
+- ``infinity``: ZeRO-Infinity, ZeRO-3 with parameters and optimizer state offloaded to the CPU and to NVMe (files in
+  a local directory, through devshim's ``async_io`` op), against the same model kept on the device;
 - ``portable``: ZeRO-1 fp32 uninterrupted, and a checkpoint after ``SAVE_AFTER`` steps that a job on another
   device resumes; ``zero3`` also leaves its final checkpoint, for the conversion tools;
 - ``moe``: an MoE layer with expert parallel 2 against the same network computed whole in one process;
@@ -31,6 +33,7 @@ Usage: torchrun --nproc-per-node 2 deepspeed_reference_job.py --report OUT.json 
 import devshim_core.auto  # noqa: F401, I001 - first: the only line a DeepSpeed script adds
 
 import argparse
+import hashlib
 import json
 import sys
 from collections.abc import Callable
@@ -355,6 +358,69 @@ def run_autotp(device: torch.device) -> dict[str, Any]:
             "logits_device": str(got.device)}
 
 
+WIDE = 1024  # ZeRO-Infinity swaps only partitions of 1 MiB or more: the middle layer's half is 2 MiB
+
+
+def run_infinity(data: list, device: torch.device, offload: str | None, nvme: Path) -> dict[str, Any]:
+    """ZeRO-3 on a model wide enough to be swapped, with parameters and optimizer state offloaded to ``offload``
+    ("cpu", "nvme": files under ``nvme``) or kept on the device (``None``). Reports the losses and, instead of
+    a million weights, their bytes' SHA-256 and the gathered weights for the caller to compare."""
+    config = ds_config(3, MICRO_BATCH, 1)
+    config["optimizer"]["params"]["lr"] = 1e-4  # the wide layer diverges at the small model's 1e-2
+    zero = config["zero_optimization"]
+    zero["stage3_param_persistence_threshold"] = 0  # every parameter is partitioned, so every one is offloaded
+    if offload is not None:
+        where = {"device": offload, "pin_memory": True}
+        if offload == "nvme":
+            where["nvme_path"] = str(nvme)
+        zero["offload_param"] = {**where, "buffer_count": 5, "buffer_size": WIDE * WIDE, "max_in_cpu": 0}
+        zero["offload_optimizer"] = {**where, "buffer_count": 4}
+        config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1,
+                         "single_submit": False, "overlap_events": True}
+    torch.manual_seed(99)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, WIDE), torch.nn.Tanh(), torch.nn.Linear(WIDE, WIDE),
+                                torch.nn.Tanh(), torch.nn.Linear(WIDE, 1))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=None, config=config)
+    losses = train(engine, data, range(STEPS), device)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        weights = torch.cat([p.detach().float().cpu().flatten() for p in engine.module.parameters()])
+    swap_files = sorted((str(f.relative_to(nvme)), f.stat().st_size) for f in nvme.rglob("*.swp")) \
+        if offload == "nvme" else []
+    handles = {type(h).__module__ for h in _aio_handles(engine)}
+    return {"losses": losses, "weights": weights, "swap_files": swap_files, "aio_handle_modules": sorted(handles),
+            "skipped_steps": engine.skipped_steps}
+
+
+def _aio_handles(engine: Any) -> list[Any]:
+    """The async-I/O handles ZeRO-Infinity's parameter and optimizer swappers hold."""
+    optimizer = engine.optimizer
+    found = []
+    for swapper in (getattr(optimizer, "optimizer_swapper", None),
+                    getattr(getattr(optimizer, "parameter_offload", None), "param_swapper", None)):
+        for name in ("aio_handle", "aio_read_handle", "aio_write_handle"):
+            handle = getattr(swapper, name, None)
+            if handle is not None and not isinstance(handle, type):
+                found.append(handle)
+    return found
+
+
+def compare_infinity(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Reduce the three ZeRO-Infinity runs to what the spec checks: losses, swap files, handles, and how far
+    each offloaded run's final weights are from the one kept on the device (and NVMe's from CPU's)."""
+    base = runs["device"]["weights"]
+
+    def digest(weights: torch.Tensor) -> str:
+        return hashlib.sha256(weights.numpy().tobytes()).hexdigest()
+
+    return {name: {"losses": run["losses"], "weights_sha256": digest(run["weights"]),
+                   "max_weight_difference_from_device": float((run["weights"] - base).abs().max()),
+                   "max_weight_difference_from_cpu_offload":
+                       float((run["weights"] - runs["cpu"]["weights"]).abs().max()) if "cpu" in runs else None,
+                   "swap_files": run["swap_files"], "aio_handle_modules": run["aio_handle_modules"],
+                   "skipped_steps": run["skipped_steps"], "parameters_count": run["weights"].numel()}
+            for name, run in runs.items()}
+
+
 def run_portable(data: list, device: torch.device, checkpoints: str) -> dict[str, Any]:
     """ZeRO-1 fp32 without dropout: the losses of an uninterrupted run, and a checkpoint after SAVE_AFTER steps
     (tag 'portable') that a job on another device loads (``--load-foreign``)."""
@@ -499,6 +565,9 @@ def main() -> None:
                                                    "fp16", overflow_step=1),
     }
     runs["portable"] = run_portable(data, device, checkpoints)
+    nvme = Path(checkpoints).parent / f"nvme-rank{rank}"  # each rank its own directory, as on separate disks
+    runs["infinity"] = compare_infinity({offload or "device": run_infinity(data, device, offload, nvme)
+                                         for offload in (None, "cpu", "nvme")})
     runs["moe"] = run_moe(device)
     runs["autotp"] = run_autotp(device)
     # last: a pipeline engine leaves its grid in deepspeed.utils.groups, where later engines would find it

@@ -161,6 +161,30 @@ def test_the_autotp_inference_engine_shards_the_model_and_gives_the_unsharded_lo
     assert run["max_logit_difference"] <= 1e-5  # fp32; measured 4.8e-7 on cpu (reduction order)
 
 
+def test_zero_infinity_offloading_to_the_cpu_or_nvme_trains_as_zero3_on_the_device_does(report):
+    runs = report["runs"]["infinity"]
+    for offloaded in ("cpu", "nvme"):
+        run, device = runs[offloaded], runs["device"]
+        assert run["skipped_steps"] == 0 and run["parameters_count"] > 1_000_000
+        for step, (a, b) in enumerate(zip(run["losses"], device["losses"], strict=True)):
+            assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"{offloaded}: step {step} loss {a!r} vs {b!r}"
+        assert run["max_weight_difference_from_device"] <= WEIGHT_ATOL
+
+
+def test_zero_infinity_offloading_to_nvme_swaps_through_devshims_async_io_and_matches_cpu_offload_exactly(report):
+    nvme, cpu = report["runs"]["infinity"]["nvme"], report["runs"]["infinity"]["cpu"]
+    assert nvme["aio_handle_modules"] == ["devshim_core.integrations.deepspeed.aio"]
+    kinds = {Path(name).parts[1] for name, _ in nvme["swap_files"]}
+    assert kinds == {"float32params", "optimizer"}, nvme["swap_files"]  # parameters and optimizer state
+    assert min(size for _, size in nvme["swap_files"]) >= 1 << 20
+    optimizer_files = [Path(name).name for name, _ in nvme["swap_files"] if "/optimizer/" in name]
+    assert any(name.startswith("exp_avg-") for name in optimizer_files)
+    assert any(name.startswith("exp_avg_sq-") for name in optimizer_files)
+    # the same host Adam on the same numbers: only where the bytes wait between steps differs
+    assert nvme["losses"] == cpu["losses"]
+    assert nvme["weights_sha256"] == cpu["weights_sha256"]
+
+
 def test_a_checkpoint_written_on_the_emulated_npu_resumes_on_the_cpu(tmp_path_factory):
     npu, npu_dir = reference_job(ASCEND, tmp_path_factory)
     cpu = run_reference_job(CPU, tmp_path_factory.mktemp("foreign-on-cpu"), "--load-foreign",

@@ -40,9 +40,15 @@ def _stale_pairs(device: Device) -> list[tuple[Any, Any]]:
     pairs: list[tuple[Any, Any]] = []
     op_builders = sys.modules.get("deepspeed.ops.op_builder")
     if op_builders is not None:
+        replacements: dict[int, tuple[Any, set[Any]]] = {}
         for name, value in vars(op_builders).items():
             if name.endswith("Builder") and name not in ("OpBuilder", "CUDAOpBuilder") and value is not None:
-                pairs.append((value, new.get_op_builder(name)))
+                replacements.setdefault(id(value), (value, set()))[1].add(new.get_op_builder(name))
+        for value, news in replacements.values():
+            # One old class standing for several names (an accelerator's NotImplementedBuilder) whose names devshim
+            # serves differently: rebinding by identity cannot tell them apart, so all get the refusal, never a
+            # wrong op.
+            pairs.append((value, news.pop() if len(news) == 1 else new.get_op_builder("NotImplementedBuilder")))
     for namespace in _deepspeed_namespaces():
         for value in namespace.values():
             if inspect.ismethod(value) and value.__self__ is old:

@@ -25,19 +25,20 @@ DT_F32, DT_BF16, DT_F16, DT_NONE = 0, 1, 2, 3
 FIELDS = 10  # int64 fields of adam.c's adam_tensor: numel, 6 addresses, 3 dtype codes
 
 
-def _library_path() -> pathlib.Path | None:
-    spec = importlib.util.find_spec(f"{__name__}._adam")  # also resolves editable installs
+def library_path(stem: str) -> pathlib.Path | None:
+    """Where the native library ``stem`` (``_adam``, ``_aio``) was built, or ``None``."""
+    spec = importlib.util.find_spec(f"{__name__}.{stem}")  # also resolves editable installs
     if spec is not None and spec.origin:
         return pathlib.Path(spec.origin)
     here = pathlib.Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        if (here / f"_adam{suffix}").exists():
-            return here / f"_adam{suffix}"
+        if (here / f"{stem}{suffix}").exists():
+            return here / f"{stem}{suffix}"
     return None
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    path = _library_path()
+    path = library_path("_adam")
     if path is None:
         return None, "native extension not built: no _adam library in devshim_kernels/_native (no C compiler?)"
     try:

@@ -17,6 +17,7 @@ from devshim_core import (
     CollectivesSpec,
     DeviceReport,
     DeviceTraits,
+    OffloadIO,
     OptimizerKernels,
     hookimpl,
 )
@@ -67,6 +68,13 @@ def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels:
     return OptimizerKernels(fused_adamw=devshim_kernels.fused_adamw, host_adam_step=devshim_kernels.host_adam_step,
                             host_adam_rollback=devshim_kernels.host_adam_rollback,
                             source=f"devshim_kernels, {devshim_kernels.implementation()}")
+
+
+@hookimpl
+def devshim_offload_io(report: DeviceReport) -> OffloadIO:
+    from devshim_kernels import file_io
+
+    return OffloadIO(file_io=file_io.AsyncFileIO if file_io.AVAILABLE else None, source=file_io.describe())
 
 
 @hookimpl

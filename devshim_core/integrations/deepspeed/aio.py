@@ -1,0 +1,237 @@
+"""A Python object with the API of DeepSpeed's compiled ``async_io`` op, run on the plugin's offload file I/O.
+
+ZeRO-Infinity's NVMe swappers (``deepspeed.runtime.swap_tensor``), the fast checkpoint writer
+(``deepspeed.io``) and ``deepspeed.nvme``'s tools call this API directly, so names, signatures, defaults and
+return values follow ``csrc/aio/py_lib/py_ds_aio.cpp``. Where the compiled op prints and returns -1, or asserts,
+this one raises :class:`OSError` or :class:`ValueError` naming the file.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from devshim_core.records import AsyncFileIO
+
+O_DIRECT_ALIGNMENT = 512  # DeepSpeed's get_alignment() is intra_op_parallelism times this
+PAGE = 4096
+# The engine runs queue_depth-many chunks at once per intra-op thread, as libaio keeps queue_depth requests in
+# flight, but caps the threads this costs. (Measured on this project's 2-core test machine, reads and writes of
+# 64 MiB files in 1 MiB blocks gain nothing past 4; see bench/file_io.py.)
+MAX_THREADS_PER_STREAM = 4
+
+
+@dataclass
+class _Transfer:
+    read: bool
+    target: str | int
+    user_buffer: torch.Tensor
+    io_buffer: torch.Tensor  # user_buffer itself, or a contiguous host bounce copy
+    validate: bool
+    file_offset: int
+
+
+def _host_view(buffer: torch.Tensor, read: bool) -> torch.Tensor:
+    """The contiguous host tensor the engine moves: the buffer itself when it is one, else a bounce copy."""
+    if buffer.device.type == "cpu" and buffer.is_contiguous():
+        return buffer
+    bounce = torch.empty(buffer.shape, dtype=buffer.dtype)
+    if not read:
+        bounce.copy_(buffer)
+    return bounce
+
+
+def _file_size(filename: str) -> int:
+    try:
+        return os.stat(filename).st_size
+    except OSError as error:
+        raise OSError(error.errno, f"cannot read: {error.strerror}", filename) from None
+
+
+def _validate(transfer: _Transfer) -> None:
+    """Compare the buffer with the file as a plain read sees it (the op's ``validate=True``)."""
+    if isinstance(transfer.target, int):
+        return
+    expected = transfer.io_buffer.view(torch.uint8).reshape(-1)
+    with open(transfer.target, "rb") as file:
+        file.seek(transfer.file_offset)
+        data = file.read(expected.numel())
+    actual = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    if not torch.equal(actual, expected):
+        what = "read" if transfer.read else "write"
+        raise OSError(f"validation of the {what} failed: the buffer differs from the file", transfer.target)
+
+
+class AioHandle:
+    """``aio_handle``: parallel, optionally asynchronous reads and writes of whole tensors."""
+
+    def __init__(self, block_size: int = 1024 * 1024, queue_depth: int = 128, single_submit: bool = False,
+                 overlap_events: bool = False, intra_op_parallelism: int = 1, *,
+                 file_io: Any, pinned: Any) -> None:
+        if block_size < 1 or queue_depth < 1 or intra_op_parallelism < 1:
+            raise ValueError(f"aio_handle: block_size ({block_size}), queue_depth ({queue_depth}) and "
+                             f"intra_op_parallelism ({intra_op_parallelism}) must be positive")
+        self._block_size = int(block_size)
+        self._queue_depth = int(queue_depth)
+        self._single_submit = bool(single_submit)
+        self._overlap_events = bool(overlap_events)
+        self._intra_op_parallelism = int(intra_op_parallelism)
+        threads = self._intra_op_parallelism * min(self._queue_depth, MAX_THREADS_PER_STREAM)
+        self._engine: AsyncFileIO = file_io(threads, self._block_size)
+        self._pinned: PinnedBuffers = pinned
+        self._pending: list[_Transfer] = []
+
+    # -- configuration, as given ---------------------------------------------------------------
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def get_queue_depth(self) -> int:
+        return self._queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._intra_op_parallelism
+
+    def get_alignment(self) -> int:
+        return self._intra_op_parallelism * O_DIRECT_ALIGNMENT
+
+    # -- transfers ------------------------------------------------------------------------------
+    def _submit(self, read: bool, buffer: torch.Tensor, target: str | int, validate: bool, file_offset: int) -> None:
+        if read and not isinstance(target, int):
+            needed = file_offset + buffer.numel() * buffer.element_size()
+            size = _file_size(target)
+            if size < needed:
+                raise OSError(f"cannot read {buffer.numel() * buffer.element_size()} bytes at offset {file_offset}: "
+                              f"the file has {size} bytes", target)
+        io_buffer = _host_view(buffer, read)
+        self._engine.submit(read, io_buffer, target, file_offset)
+        self._pending.append(_Transfer(read, target, buffer, io_buffer, validate, file_offset))
+
+    def wait(self) -> int:
+        """Wait for every submitted transfer; return how many there were."""
+        pending, self._pending = self._pending, []
+        count = self._engine.wait()
+        for transfer in pending:
+            if transfer.read and transfer.io_buffer is not transfer.user_buffer:
+                transfer.user_buffer.copy_(transfer.io_buffer)
+            if transfer.validate:
+                _validate(transfer)
+        return count
+
+    def _run(self, read: bool, buffer: torch.Tensor, target: str | int, validate: bool, run_async: bool,
+             file_offset: int) -> int:
+        self._submit(read, buffer, target, validate, file_offset)
+        return 0 if run_async else self.wait()
+
+    def read(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
+        """Synchronous read of the whole file into ``buffer``, which must be the file's size; returns 0."""
+        size = _file_size(filename)
+        nbytes = buffer.numel() * buffer.element_size()
+        if size != nbytes:
+            raise ValueError(f"aio_handle.read: the buffer has {nbytes} bytes and {filename!r} {size}")
+        self._run(True, buffer, filename, validate, False, file_offset)
+        return 0
+
+    def write(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
+        self._run(False, buffer, filename, validate, False, file_offset)
+        return 0
+
+    def pread(self, buffer: torch.Tensor, filename: str, validate: bool, run_async: bool,
+              file_offset: int = 0) -> int:
+        """Parallel read; asynchronous (``async``, passed positionally) returns 0 and ``wait()`` completes it,
+        synchronous returns the count of completed transfers."""
+        return self._run(True, buffer, filename, validate, run_async, file_offset)
+
+    def pwrite(self, buffer: torch.Tensor, filename: str | int, validate: bool, run_async: bool,
+               file_offset: int = 0) -> int:
+        return self._run(False, buffer, filename, validate, run_async, file_offset)
+
+    def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        return self._run(True, buffer, filename, False, False, file_offset)
+
+    def sync_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        return self._run(False, buffer, filename, False, False, file_offset)
+
+    def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        return self._run(True, buffer, filename, False, True, file_offset)
+
+    def async_pwrite(self, buffer: torch.Tensor, filename: str | int, file_offset: int = 0, *,
+                     fd: int | None = None) -> int:
+        """Asynchronous write to a path, or to an open descriptor (``fd``, or an int in place of the path)."""
+        return self._run(False, buffer, filename if fd is None else fd, False, True, file_offset)
+
+    # -- pinned host buffers --------------------------------------------------------------------
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+        return self._pinned.alloc(int(num_elem), example_tensor.dtype)
+
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
+        return self._pinned.free(tensor)
+
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` needs no bounce copy: torch-pinned, or inside a buffer this op allocated."""
+        return buffer.device.type == "cpu" and (buffer.is_pinned() or self._pinned.is_managed(buffer))
+
+    def __del__(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()
+
+
+class PinnedBuffers:
+    """The op's host buffers: page-aligned (so that whole-page transfers bypass the page cache) and pinned when
+    the device pins host memory. Shared by every handle of the op, like DeepSpeed's pinned-tensor manager."""
+
+    def __init__(self, pin: Any) -> None:
+        self._pin = pin  # the accelerator's pin_memory, or None when the device does not pin
+        self._buffers: dict[int, torch.Tensor] = {}  # data_ptr -> the allocation, kept alive until freed
+
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        storage = torch.empty(numel + PAGE // itemsize, dtype=dtype)
+        if self._pin is not None:
+            storage = self._pin(storage)
+        skip = (-storage.data_ptr() % PAGE) // itemsize
+        tensor = storage[skip:skip + numel]
+        self._buffers[tensor.data_ptr()] = tensor
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> bool:
+        return self._buffers.pop(tensor.data_ptr(), None) is not None
+
+    def is_managed(self, buffer: torch.Tensor) -> bool:
+        start = buffer.data_ptr()
+        end = start + buffer.numel() * buffer.element_size()
+        return any(base <= start and end <= base + t.numel() * t.element_size() for base, t in self._buffers.items())
+
+
+def _copy(dest: torch.Tensor, src: torch.Tensor) -> int:
+    dest.copy_(src)
+    return 0
+
+
+class AsyncIOOp:
+    """The ``async_io`` module: ``aio_handle``, ``aio_read``, ``aio_write`` and ``deepspeed_memcpy``."""
+
+    def __init__(self, file_io: Any, pin: Any) -> None:
+        self._file_io = file_io
+        self._pinned = PinnedBuffers(pin)
+        self.aio_handle = functools.partial(AioHandle, file_io=file_io, pinned=self._pinned)
+        self.deepspeed_memcpy = _copy
+
+    def aio_read(self, buffer: torch.Tensor, filename: str, block_size: int, queue_depth: int, single_submit: bool,
+                 overlap_events: bool, validate: bool) -> int:
+        return self.aio_handle(block_size, queue_depth, single_submit, overlap_events).read(buffer, filename, validate)
+
+    def aio_write(self, buffer: torch.Tensor, filename: str, block_size: int, queue_depth: int, single_submit: bool,
+                  overlap_events: bool, validate: bool) -> int:
+        return self.aio_handle(block_size, queue_depth, single_submit, overlap_events).write(buffer, filename,
+                                                                                            validate)
