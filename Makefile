@@ -12,7 +12,12 @@ BUILD_INPUTS := pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml r
 # a test run never compiles DeepSpeed ops; a stray attempt would land here, not in ~/.cache
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install demo megatron-demo test lint bench clean
+# the oldest DeepSpeed devshim supports, in a venv of its own: CI's second DeepSpeed (requirements-deepspeed-oldest.txt)
+OLDEST_DEEPSPEED := 0.16.0
+OLDEST_VENV ?= .venv-deepspeed-$(OLDEST_DEEPSPEED)
+OLDEST_STAMP := $(OLDEST_VENV)/.devshim-installed
+
+.PHONY: install demo megatron-demo test test-deepspeed-oldest lint bench clean
 
 install: $(STAMP)
 
@@ -39,6 +44,21 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 	DEVSHIM_EMULATE=ascend $(PY) -m pytest tests/emulated $(PYTEST_ARGS)
 	DEVSHIM_EMULATE=sophgo $(PY) -m pytest tests/emulated $(PYTEST_ARGS)
+	$(MAKE) test-deepspeed-oldest
+
+$(OLDEST_STAMP): $(BUILD_INPUTS) requirements-deepspeed-oldest.txt
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install --quiet -r requirements-deepspeed-oldest.txt
+	DS_BUILD_OPS=0 $(OLDEST_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation \
+		deepspeed==$(OLDEST_DEEPSPEED)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --no-deps $(DISTRIBUTIONS)
+	touch $(OLDEST_STAMP)
+
+# the DeepSpeed runs again on the oldest supported DeepSpeed (cpu), and the features newer releases removed
+test-deepspeed-oldest: $(OLDEST_STAMP)
+	$(OLDEST_VENV)/bin/python -m pytest tests/e2e/test_deepspeed_reference.py tests/e2e/test_deepspeed_legacy.py \
+		-k "not npu" $(PYTEST_ARGS)
 
 # ratios against the peers measured in the same run; writes bench/results.json (about 20 minutes)
 bench: $(STAMP)
@@ -48,4 +68,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache

@@ -31,6 +31,14 @@ def _versions() -> dict[str, str | None]:
     }
 
 
+def _supported() -> dict[str, str]:
+    """The framework versions devshim's integrations support, as their patch sets declare them."""
+    from devshim_core.integrations.deepspeed.patches import DEEPSPEED
+    from devshim_core.integrations.megatron.flavor import MEGATRON_CORE
+
+    return {DEEPSPEED.distribution: DEEPSPEED.spec, MEGATRON_CORE.distribution: MEGATRON_CORE.spec}
+
+
 def plugins_report() -> dict[str, Any]:
     """Discovery and selection only: nothing is patched."""
     settings = Settings.from_env()
@@ -48,7 +56,7 @@ def plugins_report() -> dict[str, Any]:
 
 def info_report() -> dict[str, Any]:
     """Activate devshim as ``import devshim_core.auto`` would, import the patched frameworks, report it all."""
-    report: dict[str, Any] = {"versions": _versions()}
+    report: dict[str, Any] = {"versions": _versions(), "supported": _supported()}
     try:
         session = activate()
     except ConfigError:
@@ -94,7 +102,8 @@ def _print_info(report: dict[str, Any]) -> None:
         print(f"!! {report['emulation']}")
     print("versions:")
     for name, version in report["versions"].items():
-        print(f"  {name:<14} {version or 'not installed'}")
+        supported = report.get("supported", {}).get(name)
+        print(f"  {name:<14} {version or 'not installed'}" + (f"  (devshim supports {supported})" if supported else ""))
     print("plugins:")
     _print_plugins(report["plugins"])
     print(f"selected: {report['selected'] or 'none'}")

@@ -96,7 +96,7 @@ def test_info_shows_the_deepspeed_patches_applied_with_target_reason_and_detail(
     assert accelerator["target"] == "deepspeed.accelerator.real_accelerator:ds_accelerator"
     assert accelerator["detail"] == "deepspeed.accelerator.real_accelerator:ds_accelerator set"
     assert "get_accelerator()" in accelerator["reason"]
-    assert accelerator["requires"] == {"deepspeed": ">=0.19,<0.20"}
+    assert accelerator["requires"] == {"deepspeed": ">=0.16,<0.20"}
     assert accelerator["versions"] == {"deepspeed": "0.19.8"}
     for patch in info["patches"]:
         assert patch["target"] and patch["reason"] and patch["detail"], patch
@@ -108,6 +108,8 @@ def test_info_describes_the_device_and_the_versions(info):
     assert info["device"]["backend"] == "gloo"
     assert {"python", "devshim-core", "torch", "deepspeed"} <= set(info["versions"])
     assert info["versions"]["devshim-core"] == "0.1.0"
+    # the supported ranges, as the patch sets declare them (one place each)
+    assert info["supported"] == {"deepspeed": ">=0.16,<0.20", "megatron-core": ">=0.16,<0.17"}
 
 
 def test_info_says_where_the_kernels_come_from_and_which_adam_implementation_runs(info):

@@ -571,8 +571,8 @@ def test_deepspeed_reports_the_adam_ops_as_compatible():
 
 
 def _other_builder_names() -> list[str]:
-    served = {"AsyncIOBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "NotImplementedBuilder", "ShareMemCommBuilder",
-              "CCLCommBuilder"}
+    served = {"AsyncIOBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "NotImplementedBuilder", "PackbitsBuilder",
+              "ShareMemCommBuilder", "CCLCommBuilder"}
     names = [name for name in vars(deepspeed.ops.op_builder)
              if name.endswith("Builder") and name not in ("OpBuilder", "CUDAOpBuilder") and name not in served]
     assert "TransformerBuilder" in names and len(names) >= 10
@@ -590,6 +590,20 @@ def test_every_other_deepspeed_op_is_devshims_not_implemented_builder_which_neve
             load()
     with pytest.raises(RuntimeError, match="nothing to compile"):
         builder.builder()
+
+
+def test_the_packbits_op_packs_signs_as_numpy_packbits_does_and_unpacks_them_to_plus_and_minus_one():
+    # the bit layout of 1-bit Adam's compressed all-reduce: set for x >= 0 (0 and -0.0 included), MSB first
+    import numpy as np
+
+    op = get_accelerator().create_op_builder("PackbitsBuilder").load()
+    x = torch.randn(1003, generator=torch.Generator().manual_seed(3))
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")])
+    packed = op.packbits(x, x.numel(), 0)
+    assert packed.dtype == torch.uint8 and packed.numel() == 126
+    assert np.array_equal(packed.numpy(), np.packbits(x.numpy() >= 0))
+    signs = op.unpackbits(packed.to(torch.int8), packed.numel(), 0)  # the backend sends int8
+    assert torch.equal(signs[:1003], torch.where(x >= 0, 1.0, -1.0)) and torch.equal(signs[1003:], -torch.ones(5))
 
 
 def test_collective_ops_have_no_builder_so_deepspeed_uses_the_torch_backend():

@@ -23,7 +23,7 @@ def _run(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_auto_refuses_an_unsupported_deepspeed_with_an_actionable_message(tmp_path):
-    _fake_distribution(tmp_path, "deepspeed", "0.18.2")
+    _fake_distribution(tmp_path, "deepspeed", "0.15.4")
     result = _run("""
         from devshim_core.errors import PatchError
         try:
@@ -35,13 +35,13 @@ def test_auto_refuses_an_unsupported_deepspeed_with_an_actionable_message(tmp_pa
     """, tmp_path)
     assert result.returncode == 0, result.stderr
     message = result.stdout
-    assert "deepspeed 0.18.2 is installed" in message
-    assert ">=0.19,<0.20" in message
+    assert "deepspeed 0.15.4 is installed" in message
+    assert ">=0.16,<0.20" in message
     assert "DEVSHIM_PATCH_DEEPSPEED=0" in message
 
 
 def test_the_deepspeed_integration_can_be_switched_off_to_run_beside_an_unsupported_version(tmp_path):
-    _fake_distribution(tmp_path, "deepspeed", "0.18.2")
+    _fake_distribution(tmp_path, "deepspeed", "0.15.4")
     result = _run("""
         import devshim_core.auto
         print(devshim_core.auto.session.integrations["deepspeed"])

@@ -12,10 +12,13 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from devshim_core.patching import version_in_range
 
 from .launch import run_job
 from .platforms import ASCEND, CPU, Platform, build_emulator
@@ -26,6 +29,9 @@ pytest.importorskip("deepspeed", reason="the end-to-end runs need the deepspeed 
 JOB = Path(__file__).resolve().parent / "deepspeed_reference_job.py"
 LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 1e-6
+# DeepSpeed before 0.19 divides the last stage's loss, not its gradients, by the accumulation steps: other rounding,
+# which six Adam steps grow to 4.3e-6 on 0.16.0 (1e-7 on 0.19.8)
+PIPELINE_WEIGHT_ATOL = WEIGHT_ATOL if version_in_range(metadata.version("deepspeed"), ">=0.19") else 1e-5
 _jobs: dict[str, tuple[dict[str, Any], Path]] = {}
 
 
@@ -141,7 +147,7 @@ def test_two_pipeline_stages_train_as_the_whole_model_does_in_one_process(report
     assert len(run["losses"]) == len(run["reference_losses"]) > 0
     for step, (a, b) in enumerate(zip(run["losses"], run["reference_losses"], strict=True)):
         assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"pipeline: step {step} loss {a!r} vs {b!r}"
-    assert run["max_weight_difference"] <= WEIGHT_ATOL
+    assert run["max_weight_difference"] <= PIPELINE_WEIGHT_ATOL
 
 
 def test_moe_with_expert_parallel_2_computes_what_the_whole_network_does_in_one_process(report):

@@ -8,8 +8,10 @@ the methods below define the contract and serve the few calls that need adapting
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
+import types
 from typing import Any
 
 import torch
@@ -348,3 +350,38 @@ class DevshimAccelerator(DeepSpeedAccelerator):
         if backend not in supported:
             raise ValueError(f"{backend} is not a torch.compile backend here; supported: {supported}")
         self._compile_backend = backend
+
+
+class _AbstractBefore019:
+    """What DeepSpeed 0.14.4-0.18's accelerator ABC declares abstract and 0.19's implements (on the ``_torch_*``
+    hooks above, which these reuse). Mixed in by :func:`accelerator_class` only where the installed ABC asks."""
+
+    def amp(self: Any) -> Any:
+        # ZeRO-3's LinearFunctionForZeroStage3 takes custom_fwd/custom_bwd from here (0.14-0.18)
+        return types.SimpleNamespace(custom_fwd=functools.partial(torch.amp.custom_fwd, device_type=self._name),
+                                     custom_bwd=functools.partial(torch.amp.custom_bwd, device_type=self._name),
+                                     autocast=functools.partial(torch.amp.autocast, self._name))
+
+    def pin_memory(self: Any, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+        if self._torch_pins_host_memory or tensor.device.type != "cpu":
+            return self._torch_pin_memory(tensor)
+        from devshim_core.integrations.deepspeed.aio import mark_io_ready
+
+        return mark_io_ready(tensor)
+
+    def is_pinned(self: Any, tensor: torch.Tensor) -> bool:
+        # 0.16-0.18's NVMe swap buffers assert is_pinned() of what the async_io op's new_cpu_locked_tensor gave
+        # (0.19 asks the op itself): on a device that does not pin, that memory is still the op's to use directly
+        from devshim_core.integrations.deepspeed.aio import is_locked_buffer
+
+        return self._torch_is_pinned(tensor) or is_locked_buffer(tensor)
+
+
+def accelerator_class() -> type[DevshimAccelerator]:
+    """:class:`DevshimAccelerator`, completed with the methods the installed DeepSpeed's ABC still leaves abstract
+    (``amp``, ``pin_memory``, ``is_pinned`` before 0.19). Anything else left abstract is a DeepSpeed this
+    accelerator was not written for: instantiating it fails naming the methods."""
+    missing = set(DevshimAccelerator.__abstractmethods__)
+    if not missing & {"amp", "pin_memory", "is_pinned"}:
+        return DevshimAccelerator
+    return type("DevshimAccelerator", (_AbstractBefore019, DevshimAccelerator), {"__module__": __name__})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,6 +194,7 @@ class PinnedBuffers:
     def __init__(self, pin: Any) -> None:
         self._pin = pin  # the accelerator's pin_memory, or None when the device does not pin
         self._buffers: dict[int, torch.Tensor] = {}  # data_ptr -> the allocation, kept alive until freed
+        _ALL_BUFFERS.add(self)
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -211,6 +213,33 @@ class PinnedBuffers:
         start = buffer.data_ptr()
         end = start + buffer.numel() * buffer.element_size()
         return any(base <= start and end <= base + t.numel() * t.element_size() for base, t in self._buffers.items())
+
+
+_ALL_BUFFERS: weakref.WeakSet[PinnedBuffers] = weakref.WeakSet()
+_IO_READY: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}  # data_ptr -> (tensor, nbytes): mark_io_ready
+
+
+def mark_io_ready(tensor: torch.Tensor) -> torch.Tensor:
+    """Record a host tensor as usable for the op's transfers (:func:`is_locked_buffer` says so while it lives) and
+    return it: what DeepSpeed 0.16-0.18 get from ``accelerator.pin_memory`` on a device that does not pin host
+    memory, as from DeepSpeed's own CPU accelerator (the tensor itself); their NVMe swap buffers must then pass
+    ``accelerator.is_pinned``, an assert DeepSpeed's own CPU accelerator fails."""
+    for stale in [ptr for ptr, (ref, _) in _IO_READY.items() if ref() is None]:
+        del _IO_READY[stale]
+    _IO_READY[tensor.data_ptr()] = (weakref.ref(tensor), tensor.numel() * tensor.element_size())
+    return tensor
+
+
+def is_locked_buffer(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lies in a buffer an ``async_io`` op allocated (``new_cpu_locked_tensor``)."""
+    if tensor.device.type != "cpu":
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    if any(base <= start and end <= base + nbytes for base, (ref, nbytes) in list(_IO_READY.items())
+           if ref() is not None):
+        return True
+    return any(buffers.is_managed(tensor) for buffers in list(_ALL_BUFFERS))
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor) -> int:

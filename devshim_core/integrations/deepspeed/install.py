@@ -9,6 +9,8 @@ from devshim_core.device import Device
 from devshim_core.errors import PatchError
 from devshim_core.integrations.deepspeed.patches import (
     ACCELERATOR_MODULE,
+    COMPRESSED_BACKEND_MODULE,
+    COMPRESSED_BACKEND_PATCHES,
     DEEPSPEED,
     DEEPSPEED_PATCHES,
     OPTIMIZER_PATCHES,
@@ -32,6 +34,9 @@ def install(device: Device) -> str:
     note = _overridden_selection()
     if not REGISTRY.is_applied(OPTIMIZER_PATCHES.name):
         import_hooks.after_import(OPTIMIZERS_MODULE, lambda module: REGISTRY.apply(OPTIMIZER_PATCHES, device))
+    if not REGISTRY.is_applied(COMPRESSED_BACKEND_PATCHES.name):  # imported only by the 1-bit optimizers
+        import_hooks.after_import(COMPRESSED_BACKEND_MODULE,
+                                  lambda module: REGISTRY.apply(COMPRESSED_BACKEND_PATCHES, device))
     if REGISTRY.is_applied(DEEPSPEED_PATCHES.name):
         return "applied" + note
     if import_hooks.is_imported(ACCELERATOR_MODULE):
@@ -44,5 +49,7 @@ def install(device: Device) -> str:
 def uninstall() -> None:
     import_hooks.cancel(ACCELERATOR_MODULE)
     import_hooks.cancel(OPTIMIZERS_MODULE)
+    import_hooks.cancel(COMPRESSED_BACKEND_MODULE)
+    REGISTRY.revert(COMPRESSED_BACKEND_PATCHES.name)
     REGISTRY.revert(OPTIMIZER_PATCHES.name)
     REGISTRY.revert(DEEPSPEED_PATCHES.name)

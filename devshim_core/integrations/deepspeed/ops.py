@@ -101,3 +101,23 @@ class HostAdamOp:
     def destroy_adam(self, optimizer_id: int) -> int:
         self._adamw_mode.pop(optimizer_id, None)
         return 0
+
+
+class PackbitsOp:
+    """The ``packbits`` module API of 1-bit Adam/0/1 Adam/1-bit LAMB's compressed all-reduce
+    (``deepspeed.runtime.comm.compressed``): the signs of a float tensor, 8 to a byte, most significant bit first,
+    a bit set for ``x >= 0`` (the sign convention of that all-reduce's error feedback, which counts 0 and -0.0 as
+    +1). Plain torch ops on the tensor's own device: nothing to compile."""
+
+    def packbits(self, tensor: torch.Tensor, numel: int, rank: int) -> torch.Tensor:
+        bits = (tensor.reshape(-1)[:numel] >= 0).to(torch.uint8)
+        if numel % 8:
+            bits = torch.cat([bits, bits.new_zeros(8 - numel % 8)])
+        weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=tensor.device)
+        return (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+    def unpackbits(self, packed: torch.Tensor, numel: int, rank: int) -> torch.Tensor:
+        """``numel`` bytes of ``packed`` (uint8 or int8) as ``8 * numel`` floats of +1.0 and -1.0."""
+        shifts = torch.arange(7, -1, -1, dtype=torch.int32, device=packed.device)
+        bits = (packed.reshape(-1)[:numel].to(torch.int32).unsqueeze(1) >> shifts) & 1
+        return (bits.to(torch.float32) * 2 - 1).reshape(-1)

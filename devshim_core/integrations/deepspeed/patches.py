@@ -12,15 +12,15 @@ from devshim_core.device import Device
 from devshim_core.integrations.deepspeed.optimizer_errors import naming_the_group
 from devshim_core.patching import PatchSet, RebindReferences, Requirement, SetAttribute, SetAttributes
 
-DEEPSPEED = Requirement("deepspeed", ">=0.19,<0.20")
+DEEPSPEED = Requirement("deepspeed", ">=0.16,<0.20")
 ACCELERATOR_MODULE = "deepspeed.accelerator.real_accelerator"
 OPTIMIZERS_MODULE = "deepspeed.ops.adam"  # imported by `import deepspeed`, after the accelerator
 
 
 def _make_accelerator(original: Any, device: Device) -> Any:
-    from devshim_core.integrations.deepspeed.accelerator import DevshimAccelerator
+    from devshim_core.integrations.deepspeed.accelerator import accelerator_class
 
-    accelerator = DevshimAccelerator(device)
+    accelerator = accelerator_class()(device)
     accelerator._devshim_replaced = original  # what import-time bindings may still point at
     return accelerator
 
@@ -100,5 +100,38 @@ OPTIMIZER_PATCHES = PatchSet(
             name="FusedAdam", target="deepspeed.ops.adam.fused_adam:FusedAdam", names=("step",),
             make=_naming_the_group,
             reason="the fused_adam op's errors name the parameter group the kernel failed on"),
+    ),
+)
+
+
+COMPRESSED_BACKEND_MODULE = "deepspeed.runtime.comm.compressed"  # 1-bit Adam/0/1 Adam/1-bit LAMB, until 0.19.6
+
+
+class _GatherIntoMatchingShapes:
+    """``deepspeed.comm`` as the compressed backend sees it: ``all_gather`` reshapes the tensor it sends to the
+    receive buffers' shape when only the shape differs."""
+
+    def __init__(self, comm: Any) -> None:
+        self._comm = comm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def all_gather(self, tensor_list: list[Any], tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if tensor_list and tensor.shape != tensor_list[0].shape and tensor.numel() == tensor_list[0].numel():
+            tensor = tensor.reshape(tensor_list[0].shape)
+        return self._comm.all_gather(tensor_list, tensor, *args, **kwargs)
+
+
+COMPRESSED_BACKEND_PATCHES = PatchSet(
+    name="deepspeed-compressed-backend",
+    requires=(Requirement("deepspeed", ">=0.16,<0.19.7"),),
+    reason="the 1-bit optimizers' compressed all-reduce runs on any backend",
+    patches=(
+        SetAttribute(
+            name="comm", target=f"{COMPRESSED_BACKEND_MODULE}:dist",
+            make=lambda original, device: _GatherIntoMatchingShapes(original),
+            reason="compressed_allreduce all-gathers each rank's 0-dim scale into 1-element buffers: NCCL accepts "
+                   "that, gloo refuses it ('invalid tensor size')"),
     ),
 )
