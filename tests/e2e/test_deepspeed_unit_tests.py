@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from .launch import job_env
-from .third_party import checkout
+from .third_party import checkout, junit_outcome
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("deepspeed", reason="DeepSpeed's unit tests need deepspeed's dependencies")
@@ -42,13 +42,7 @@ SUITES = {
 def outcomes(report: Path) -> dict[str, str]:
     found: dict[str, str] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
-        outcome = "passed"
-        for child in case:
-            if child.tag in ("failure", "error"):
-                outcome = "failed" if child.tag == "failure" else "error"
-            elif child.tag == "skipped":
-                outcome = "skipped"
-        found[f"{case.get('classname')}::{case.get('name')}"] = outcome
+        found[f"{case.get('classname')}::{case.get('name')}"] = junit_outcome(case)
     return found
 
 

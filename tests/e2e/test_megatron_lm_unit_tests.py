@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from .launch import job_env
-from .third_party import checkout, require_modules, run_torchrun, venv_bin
+from .third_party import checkout, junit_outcome, require_modules, run_torchrun, venv_bin
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("megatron.core", reason="Megatron-LM's unit tests need megatron-core")
@@ -103,13 +103,7 @@ def rank_outcomes(report: Path) -> dict[str, str]:
         split = next((i for i, part in enumerate(module) if part.startswith("test_")), len(module) - 1)
         test_id = "/".join(module[:split + 1]) + ".py" + "".join(f"::{p}" for p in module[split + 1:])
         test_id += f"::{case.get('name')}"
-        outcome = "passed"
-        for child in case:
-            if child.tag in ("failure", "error"):
-                outcome = "failed" if child.tag == "failure" else "error"
-            elif child.tag == "skipped":
-                outcome = "skipped"
-        outcomes[test_id] = outcome
+        outcomes[test_id] = junit_outcome(case)
     return outcomes
 
 

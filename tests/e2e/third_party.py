@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,6 +44,17 @@ def checkout(env_var: str, what: str, marker: str) -> Path:
     if not (path / marker).is_file():
         pytest.fail(f"{env_var}={value} is not a checkout of {what}: {marker} is missing")
     return path
+
+
+def junit_outcome(case: Any) -> str:
+    """``passed``, ``failed``, ``error`` or ``skipped``: a JUnit XML ``testcase`` element's outcome."""
+    outcome = "passed"
+    for child in case:
+        if child.tag in ("failure", "error"):
+            outcome = "failed" if child.tag == "failure" else "error"
+        elif child.tag == "skipped":
+            outcome = "skipped"
+    return outcome
 
 
 def require_modules(*names: str, why: str) -> None:
