@@ -108,8 +108,10 @@ def test_implementation_names_the_native_kernel_its_variant_and_threads_or_why_t
 def test_the_native_kernel_is_the_library_built_at_install_time_next_to_its_loader():
     if _native.LIBRARY is None:
         pytest.skip(f"native kernel unavailable: {_native.REASON}")
-    library = _native._library_path()
+    library = _native.library_path("_adam")
     assert library is not None and library.parent.name == "_native" and library.name.startswith("_adam")
+    file_io = _native.library_path("_aio")  # the NVMe-offload engine, built by the same install
+    assert file_io is not None and file_io.parent == library.parent and file_io.name.startswith("_aio")
 
 
 # -- against torch.optim -------------------------------------------------------------------------------------------
