@@ -100,8 +100,8 @@ class AsyncFileIO:
         else:
             name = os.fspath(target)
             path, fd = os.fsencode(name), -1
-        nbytes = buffer.numel() * buffer.element_size()
-        error = _LIBRARY.devshim_aio_submit(self._handle, int(read), path, fd, buffer.data_ptr(), nbytes, file_offset)
+        error = _LIBRARY.devshim_aio_submit(self._handle, int(read), path, fd, buffer.data_ptr(), buffer.nbytes,
+                                            file_offset)
         if error:
             raise OSError(error, f"cannot open for {'reading' if read else 'writing'}: {os.strerror(error)}", name)
         self._pending.append(_Pending(read, name, buffer))
@@ -122,8 +122,8 @@ class AsyncFileIO:
             failed = pending[index.value]
             what = "reading" if failed.read else "writing"
             detail = "the file is shorter than the buffer" if error.value == errno.ENODATA else os.strerror(error.value)
-            raise OSError(error.value, f"asynchronous {what} of {failed.buffer.numel() * failed.buffer.element_size()}"
-                                       f" bytes failed: {detail}", failed.target)
+            raise OSError(error.value, f"asynchronous {what} of {failed.buffer.nbytes} bytes failed: {detail}",
+                          failed.target)
         return count
 
     def close(self) -> None:
@@ -140,7 +140,7 @@ class AsyncFileIO:
 def aligned_empty(numel: int, dtype: torch.dtype, alignment: int = 4096) -> torch.Tensor:
     """An uninitialised CPU tensor whose data starts on an ``alignment``-byte boundary, so that whole-page
     transfers of it can bypass the page cache (O_DIRECT)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if alignment % itemsize:
         raise ValueError(f"alignment {alignment} is not a multiple of {dtype}'s size")
     storage = torch.empty(numel + alignment // itemsize, dtype=dtype)

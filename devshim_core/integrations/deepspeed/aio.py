@@ -21,8 +21,8 @@ from devshim_core.records import AsyncFileIO
 O_DIRECT_ALIGNMENT = 512  # DeepSpeed's get_alignment() is intra_op_parallelism times this
 PAGE = 4096
 # The engine runs queue_depth-many chunks at once per intra-op thread, as libaio keeps queue_depth requests in
-# flight, but caps the threads this costs. (Measured on this project's 2-core test machine, reads and writes of
-# 64 MiB files in 1 MiB blocks gain nothing past 4; see bench/file_io.py.)
+# flight, but caps the threads this costs. The cap is a choice, not a measured optimum (bench/file_io.py compares
+# only DeepSpeed's default configuration, where it gives 4 threads).
 MAX_THREADS_PER_STREAM = 4
 
 
@@ -108,10 +108,9 @@ class AioHandle:
     # -- transfers ------------------------------------------------------------------------------
     def _submit(self, read: bool, buffer: torch.Tensor, target: str | int, validate: bool, file_offset: int) -> None:
         if read and not isinstance(target, int):
-            needed = file_offset + buffer.numel() * buffer.element_size()
             size = _file_size(target)
-            if size < needed:
-                raise OSError(f"cannot read {buffer.numel() * buffer.element_size()} bytes at offset {file_offset}: "
+            if size < file_offset + buffer.nbytes:
+                raise OSError(f"cannot read {buffer.nbytes} bytes at offset {file_offset}: "
                               f"the file has {size} bytes", target)
         io_buffer = _host_view(buffer, read)
         self._engine.submit(read, io_buffer, target, file_offset)
@@ -136,9 +135,8 @@ class AioHandle:
     def read(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
         """Synchronous read of the whole file into ``buffer``, which must be the file's size; returns 0."""
         size = _file_size(filename)
-        nbytes = buffer.numel() * buffer.element_size()
-        if size != nbytes:
-            raise ValueError(f"aio_handle.read: the buffer has {nbytes} bytes and {filename!r} {size}")
+        if size != buffer.nbytes:
+            raise ValueError(f"aio_handle.read: the buffer has {buffer.nbytes} bytes and {filename!r} {size}")
         self._run(True, buffer, filename, validate, False, file_offset)
         return 0
 
@@ -197,7 +195,7 @@ class PinnedBuffers:
         _ALL_BUFFERS.add(self)
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         storage = torch.empty(numel + PAGE // itemsize, dtype=dtype)
         if self._pin is not None:
             storage = self._pin(storage)
@@ -210,9 +208,12 @@ class PinnedBuffers:
         return self._buffers.pop(tensor.data_ptr(), None) is not None
 
     def is_managed(self, buffer: torch.Tensor) -> bool:
-        start = buffer.data_ptr()
-        end = start + buffer.numel() * buffer.element_size()
-        return any(base <= start and end <= base + t.numel() * t.element_size() for base, t in self._buffers.items())
+        return any(_within(buffer, base, t.nbytes) for base, t in self._buffers.items())
+
+
+def _within(tensor: torch.Tensor, base: int, nbytes: int) -> bool:
+    """Whether all of ``tensor``'s bytes lie in the ``nbytes`` from address ``base``."""
+    return base <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= base + nbytes
 
 
 _ALL_BUFFERS: weakref.WeakSet[PinnedBuffers] = weakref.WeakSet()
@@ -226,7 +227,7 @@ def mark_io_ready(tensor: torch.Tensor) -> torch.Tensor:
     ``accelerator.is_pinned``, an assert DeepSpeed's own CPU accelerator fails."""
     for stale in [ptr for ptr, (ref, _) in _IO_READY.items() if ref() is None]:
         del _IO_READY[stale]
-    _IO_READY[tensor.data_ptr()] = (weakref.ref(tensor), tensor.numel() * tensor.element_size())
+    _IO_READY[tensor.data_ptr()] = (weakref.ref(tensor), tensor.nbytes)
     return tensor
 
 
@@ -234,10 +235,7 @@ def is_locked_buffer(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` lies in a buffer an ``async_io`` op allocated (``new_cpu_locked_tensor``)."""
     if tensor.device.type != "cpu":
         return False
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    if any(base <= start and end <= base + nbytes for base, (ref, nbytes) in list(_IO_READY.items())
-           if ref() is not None):
+    if any(_within(tensor, base, nbytes) for base, (ref, nbytes) in list(_IO_READY.items()) if ref() is not None):
         return True
     return any(buffers.is_managed(tensor) for buffers in list(_ALL_BUFFERS))
 
@@ -251,7 +249,6 @@ class AsyncIOOp:
     """The ``async_io`` module: ``aio_handle``, ``aio_read``, ``aio_write`` and ``deepspeed_memcpy``."""
 
     def __init__(self, file_io: Any, pin: Any) -> None:
-        self._file_io = file_io
         self._pinned = PinnedBuffers(pin)
         self.aio_handle = functools.partial(AioHandle, file_io=file_io, pinned=self._pinned)
         self.deepspeed_memcpy = _copy
