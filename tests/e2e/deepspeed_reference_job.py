@@ -19,15 +19,18 @@ weights, and rank 0 writes every run's per-step losses (mean over ranks) and fin
   a local directory, through devshim's ``async_io`` op), against the same model kept on the device;
 - ``portable``: ZeRO-1 fp32 uninterrupted, and a checkpoint after ``SAVE_AFTER`` steps that a job on another
   device resumes; ``zero3`` also leaves its final checkpoint, for the conversion tools;
+- ``curriculum_sampling``: data-sampling curriculum learning (``curriculum_sampling.py``), with the curriculum on
+  and, as the negative control, off;
 - ``moe``: an MoE layer with expert parallel 2 against the same network computed whole in one process;
 - ``autotp``: ``deepspeed.init_inference`` with tensor parallel 2 (AutoTP) against the unsharded model's logits;
 - ``pipeline``: two pipeline stages, one per rank, against the same model trained whole with plain PyTorch.
 
-``--load-foreign DIR`` alone: resume another device's ``portable`` checkpoint here. ``--load-universal DIR``
-alone: load a universal checkpoint into ZeRO-3 and report the weights (any world size).
+``--load-foreign DIR`` alone: resume another device's ``portable`` checkpoint here. ``--load-universal DIR`` and
+``--load-fp32 FILE``, without the runs: load a universal checkpoint into ZeRO-3, and a ``zero_to_fp32`` state dict
+into ZeRO-1, and report the weights (any world size).
 
 Usage: torchrun --nproc-per-node 2 deepspeed_reference_job.py --report OUT.json [--load-foreign DIR |
---load-universal DIR]
+[--load-universal DIR] [--load-fp32 FILE]]
 """
 
 import devshim_core.auto  # noqa: F401, I001 - first: the only line a DeepSpeed script adds
@@ -44,6 +47,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+
+from curriculum_sampling import analyze, run_curriculum_sampling
 
 STEPS = 6
 MICRO_BATCH = 8
@@ -453,6 +458,14 @@ def load_universal(folder: Path) -> dict[str, Any]:
             "adam_states_nonzero": bool(states) and all(bool(s["exp_avg"].any()) for s in states)}
 
 
+def load_fp32(path: Path) -> dict[str, Any]:
+    """Load ``zero_to_fp32``'s state dict (of a ZeRO-3 run on another world size) into a ZeRO-1 engine."""
+    model = make_model(seed=99)
+    model.load_state_dict(torch.load(path, weights_only=True))
+    engine = deepspeed.initialize(model=model, model_parameters=None, config=ds_config(1, MICRO_BATCH, 1))[0]
+    return {"parameters": trained_parameters(engine), "zero_stage": engine.zero_optimization_stage()}
+
+
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     get_accelerator().manual_seed(seed)
@@ -514,6 +527,7 @@ def main() -> None:
     parser.add_argument("--report", required=True)
     parser.add_argument("--load-foreign", metavar="DIR", help="only resume the 'portable' checkpoint in DIR")
     parser.add_argument("--load-universal", metavar="DIR", type=Path, help="only load this universal checkpoint")
+    parser.add_argument("--load-fp32", metavar="FILE", type=Path, help="only load this fp32 state dict")
     args = parser.parse_args()
     deepspeed.init_distributed()
     deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
@@ -522,9 +536,12 @@ def main() -> None:
     accelerator.set_device(rank)
     device = torch.device(accelerator.device_name(rank))
     data = batches(rank, world)
-    if args.load_foreign or args.load_universal:
-        loaded = (load_foreign(data, device, args.load_foreign) if args.load_foreign
-                  else load_universal(args.load_universal))
+    if args.load_foreign or args.load_universal or args.load_fp32:
+        loaded = load_foreign(data, device, args.load_foreign) if args.load_foreign else {}
+        if args.load_universal:
+            loaded["universal"] = load_universal(args.load_universal)
+        if args.load_fp32:
+            loaded["fp32"] = load_fp32(args.load_fp32)
         if rank == 0:
             with open(args.report, "w") as f:
                 json.dump({"world": world, "device": str(device), "loaded": loaded}, f)
@@ -568,6 +585,10 @@ def main() -> None:
     nvme = Path(checkpoints).parent / f"nvme-rank{rank}"  # each rank its own directory, as on separate disks
     runs["infinity"] = compare_infinity({offload or "device": run_infinity(data, device, offload, nvme)
                                          for offload in (None, "cpu", "nvme")})
+    analysis = Path(checkpoints).parent / "curriculum-analysis"
+    runs["curriculum_sampling"] = {"analyzed": analyze(analysis)} | {
+        state: run_curriculum_sampling(Path(checkpoints).parent, device, ds_config(1, MICRO_BATCH, 1), make_model,
+                                       curriculum=state == "on", analysis=analysis) for state in ("on", "off")}
     runs["moe"] = run_moe(device)
     runs["autotp"] = run_autotp(device)
     # last: a pipeline engine leaves its grid in deepspeed.utils.groups, where later engines would find it

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from devshim_core.patching import version_in_range
 
+from .curriculum_sampling import MICRO_BATCH, SCHEDULE, SEQLEN, STEPS
 from .launch import run_job
 from .platforms import ASCEND, CPU, Platform, build_emulator
 
@@ -159,6 +161,48 @@ def test_moe_with_expert_parallel_2_computes_what_the_whole_network_does_in_one_
     assert run["max_weight_difference"] <= WEIGHT_ATOL
 
 
+# -- data-sampling curriculum learning (curriculum_sampling.py) --------------------------------------------------------
+
+def fixed_linear(step: int) -> int:
+    """DeepSpeed's documented fixed_linear schedule at global step ``step`` (difficulty_step 1: no rounding)."""
+    low, high = SCHEDULE["min_difficulty"], SCHEDULE["max_difficulty"]
+    return min(high, math.floor(step / SCHEDULE["total_curriculum_step"] * (high - low) + low))
+
+
+def drawn(record: dict[str, Any]) -> list[tuple[int, int]]:
+    return [(index, difficulty) for rank in record["samples"] for index, difficulty in rank]
+
+
+def test_the_data_analyzer_indexes_each_samples_true_difficulty(report):
+    assert report["runs"]["curriculum_sampling"]["analyzed"] == SEQLEN.tolist()
+
+
+def test_data_sampling_curriculum_draws_only_what_the_fixed_linear_schedule_allows(report):
+    steps = report["runs"]["curriculum_sampling"]["on"]["steps"]
+    assert len(steps) == STEPS
+    for step, record in enumerate(steps, start=1):
+        allowed = fixed_linear(step)
+        assert record["scheduled"] == [allowed, allowed], f"step {step}"
+        samples = drawn(record)
+        assert len({index for index, _ in samples}) == len(samples) == 2 * MICRO_BATCH  # ranks get disjoint halves
+        assert all(difficulty == SEQLEN[index] for index, difficulty in samples)  # the batch is the sample
+        assert max(difficulty for _, difficulty in samples) <= allowed, f"step {step}: {samples}"
+    assert fixed_linear(1) < fixed_linear(STEPS) == SCHEDULE["max_difficulty"]
+
+
+def test_without_the_curriculum_the_same_sampler_draws_harder_samples_than_the_schedule_allows(report):
+    # the negative control: the difficulty check above can fail
+    steps = report["runs"]["curriculum_sampling"]["off"]["steps"]
+    assert any(max(d for _, d in drawn(record)) > fixed_linear(step) for step, record in enumerate(steps, start=1))
+
+
+@pytest.mark.parametrize("state", ["on", "off"])
+def test_the_engine_trains_on_the_batches_the_sampler_drew_as_plain_pytorch_does(report, state):
+    run = report["runs"]["curriculum_sampling"][state]
+    assert_same_run({"losses": [r["loss"] for r in run["steps"]], "parameters": run["parameters"]},
+                    run["reference"], f"curriculum {state} vs a PyTorch replica on the drawn batches")
+
+
 def test_the_autotp_inference_engine_shards_the_model_and_gives_the_unsharded_logits(report):
     run = report["runs"]["autotp"]
     assert run["up_proj_out_features"] == 4 * 32 // 2  # column-parallel: half the output features per rank
@@ -201,26 +245,37 @@ def test_a_checkpoint_written_on_the_emulated_npu_resumes_on_the_cpu(tmp_path_fa
         assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"resumed on cpu, step {step}: {a!r} vs npu's {b!r}"
 
 
-def test_a_zero3_checkpoint_converted_by_zero_to_fp32_holds_the_trained_weights(tmp_path_factory):
-    # a plain fp32 state dict: what a model of any ZeRO stage, or none, loads
+def one_rank_loads(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The 2-rank ZeRO-3 run's final checkpoint, converted by DeepSpeed's own tools (``zero_to_fp32`` and
+    ``ds_to_universal``) and loaded by a job on 1 rank, once per session: the trained run and what was loaded."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     trained, workdir = reference_job(CPU, tmp_path_factory)
-    state = get_fp32_state_dict_from_zero_checkpoint(str(workdir / "checkpoints"), tag="zero3")
-    assert [t.flatten().tolist() for t in state.values()] == trained["runs"]["zero3"]["parameters"]
+    if "one_rank" not in _jobs:
+        checkpoints = workdir / "checkpoints"
+        fp32 = checkpoints / "zero3_fp32.pt"
+        torch.save(get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag="zero3"), fp32)
+        universal = checkpoints / "zero3_universal"
+        convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                  str(checkpoints / "zero3"), "--output_folder", str(universal)],
+                                 capture_output=True, text=True, timeout=300)
+        assert convert.returncode == 0, convert.stderr[-3000:]
+        _jobs["one_rank"] = (run_reference_job(CPU, tmp_path_factory.mktemp("loads-on-1-rank"), "--load-universal",
+                                               str(universal), "--load-fp32", str(fp32), ranks=1)["loaded"], workdir)
+    return trained, _jobs["one_rank"][0]
+
+
+def test_a_zero3_checkpoint_converted_by_zero_to_fp32_loads_into_zero1_on_one_rank(tmp_path_factory):
+    # a plain fp32 state dict: what a model of any ZeRO stage, or none, loads
+    trained, loaded = one_rank_loads(tmp_path_factory)
+    assert loaded["fp32"]["zero_stage"] == 1
+    assert loaded["fp32"]["parameters"] == trained["runs"]["zero3"]["parameters"]  # ZeRO-3 on 2 -> ZeRO-1 on 1
 
 
 def test_a_zero3_checkpoint_made_universal_loads_on_one_rank(tmp_path_factory):
     # into ZeRO-3: DeepSpeed 0.19 cannot load a universal checkpoint of a ZeRO-3 run into ZeRO-1 (it looks for
     # mp_rank_00_model_states.pt; the converted folder holds ZeRO-3's zero_pp_rank_* files), on any device
-    trained, workdir = reference_job(CPU, tmp_path_factory)
-    universal = workdir / "checkpoints" / "zero3_universal"
-    convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                              str(workdir / "checkpoints" / "zero3"), "--output_folder", str(universal)],
-                             capture_output=True, text=True, timeout=300)
-    assert convert.returncode == 0, convert.stderr[-3000:]
-    loaded = run_reference_job(CPU, tmp_path_factory.mktemp("universal-on-1-rank"), "--load-universal",
-                               str(universal), ranks=1)["loaded"]
-    assert loaded["parameters"] == trained["runs"]["zero3"]["parameters"]  # 2 ranks -> 1 rank
-    assert loaded["global_steps"] == len(trained["runs"]["zero3"]["losses"])
-    assert loaded["adam_states_nonzero"]  # the optimizer state came too, not only the weights
+    trained, loaded = one_rank_loads(tmp_path_factory)
+    assert loaded["universal"]["parameters"] == trained["runs"]["zero3"]["parameters"]  # 2 ranks -> 1 rank
+    assert loaded["universal"]["global_steps"] == len(trained["runs"]["zero3"]["losses"])
+    assert loaded["universal"]["adam_states_nonzero"]  # the optimizer state came too, not only the weights
