@@ -14,9 +14,9 @@ job                                        launcher     proves
 =========================================  ===========  =====================================================
 ZeRO-1 + bf16 + gradient accumulation      torchrun     ``import deepspeed`` before devshim still gets
                                                         devshim's op builders (FusedAdamOp)
-ZeRO-2 + optimizer offload + grad. accum.  torchrun     ZeRO-Offload steps Adam with devshim's HostAdamOp
-activation checkpointing, twice:          torchrun     every block is recomputed in backward
-  ZeRO-2 + optimizer offload; ZeRO-3 + bf16
+ZeRO-2 + optimizer offload + grad. accum.  torchrun     ZeRO-Offload steps Adam with devshim's HostAdamOp;
+  + activation checkpointing                            every block is recomputed in backward
+ZeRO-3 + bf16 + activation checkpointing   torchrun     the recompute re-gathers partitioned bf16 parameters
 ZeRO-3 save at step 5, resume (2 jobs)     torchrun     client state round-trips; resumed losses are
                                                         bit-identical to the uninterrupted run
 ZeRO-0 with DEVSHIM_AUTO=1                 deepspeed    the launcher itself sized the job (2 ranks) from
@@ -148,14 +148,20 @@ def test_zero1_bf16_gradient_accumulation_with_deepspeed_imported_before_devshim
     assert_loss_fell(report["losses"], STEPS, LOSS_DROP, job)
 
 
+# DeepSpeed's checkpoint backward restores the RNG state with get_accelerator().default_generator(current_device());
+# on rank 1 (current device 1) that indexes the cpu_reference device module's one-element ``default_generators``.
+# ZeRO-3 (the test after this one) hides it: its Init calls set_device(torch.device("cpu")), which resets every
+# rank's current device to 0.
 def test_zero2_optimizer_offload_steps_adam_with_devshim_host_kernel(tmp_path: Path, platform: Platform) -> None:
     """ZeRO-2 with the optimizer offloaded to the host (ZeRO-Offload) runs DeepSpeedCPUAdam on HostAdamOp.
 
     The devshim line comes first (the default import order), so devshim's builders are armed before DeepSpeed
     binds them; DeepSpeedCPUAdam's ``ds_opt_adam`` is devshim's HostAdamOp on both ranks, with 2 micro-batches
-    accumulated per step.
+    accumulated per step. The blocks are activation-checkpointed: each is run twice per micro-batch (forward,
+    then the recompute in backward, whose RNG state comes back through devshim's accelerator).
     """
-    args = ["--zero-stage", "2", "--offload", "--grad-accum", "2", "--steps", str(STEPS)]
+    args = ["--zero-stage", "2", "--offload", "--grad-accum", "2", "--activation-checkpointing", "--steps",
+            str(STEPS)]
     job = train(platform, args, tmp_path)
     report = job.report()
 
@@ -164,40 +170,32 @@ def test_zero2_optimizer_offload_steps_adam_with_devshim_host_kernel(tmp_path: P
     for rank in report["ranks"]:
         assert rank["deepspeed_imported_before_devshim"] is False, rank
         assert rank["deepspeed_integration"].startswith("armed"), rank
+        assert rank["blocks"] == 2 and rank["forwards_per_block_per_micro_batch"] == 2.0, rank
     assert report["zero_stage"] == 2
     assert report["optimizer"] == "DeepSpeedZeroOptimizer"
     assert_gradient_accumulation(job, report, micro_batches=2)
     assert_loss_fell(report["losses"], STEPS, LOSS_DROP, job)
 
 
-# DeepSpeed's checkpoint backward restores the RNG state with get_accelerator().default_generator(current_device());
-# on rank 1 (current device 1) that indexes the cpu_reference device module's one-element ``default_generators``.
-# ZeRO-3 hides it: its Init calls set_device(torch.device("cpu")), which resets every rank's current device to 0.
-@pytest.mark.parametrize(("zero_args", "zero_stage", "optimizer_op", "param_dtype"), [
-    pytest.param(["--zero-stage", "2", "--offload"], 2, "HostAdamOp", "torch.float32", id="zero2-offload"),
-    pytest.param(["--zero-stage", "3", "--bf16"], 3, "FusedAdamOp", "torch.bfloat16", id="zero3-bf16"),
-])
-def test_activation_checkpointing_recomputes_every_block_in_backward(
-        tmp_path: Path, zero_args: list[str], zero_stage: int, optimizer_op: str, param_dtype: str,
-        platform: Platform) -> None:
-    """``deepspeed.checkpointing.checkpoint`` trains on both ranks, recomputing each block in backward.
+def test_activation_checkpointing_of_zero3_bf16_recomputes_every_block_in_backward(tmp_path: Path,
+                                                                                   platform: Platform) -> None:
+    """``deepspeed.checkpointing.checkpoint`` with ZeRO-3 + bf16 trains on both ranks, recomputing each block.
 
     The script counts block forwards: 2 per block and micro-batch on each rank (forward, then recompute)
-    proves activations were checkpointed rather than kept. The recompute restores the RNG state through
-    devshim's accelerator; with ZeRO-2 + offload the optimizer steps on devshim's host Adam, with ZeRO-3 the
-    recompute re-gathers the partitioned bf16 parameters.
+    proves activations were checkpointed rather than kept; the recompute re-gathers the partitioned bf16
+    parameters. (With ZeRO-2 + offload: the offload test above.)
     """
-    args = [*zero_args, "--activation-checkpointing", "--steps", str(STEPS)]
+    args = ["--zero-stage", "3", "--bf16", "--activation-checkpointing", "--steps", str(STEPS)]
     job = train(platform, args, tmp_path)
     report = job.report()
 
-    assert_trained_through_devshim(job, report, optimizer_op=optimizer_op, platform=platform)
+    assert_trained_through_devshim(job, report, optimizer_op="FusedAdamOp", platform=platform)
     assert_matches_cpu(platform, args, report["losses"], tmp_path, job)
     for rank in report["ranks"]:
         assert rank["blocks"] == 2, rank
         assert rank["forwards_per_block_per_micro_batch"] == 2.0, rank
-        assert rank["param_dtype"] == param_dtype, rank
-    assert report["zero_stage"] == zero_stage
+        assert rank["param_dtype"] == "torch.bfloat16", rank
+    assert report["zero_stage"] == 3
     assert_loss_fell(report["losses"], STEPS, LOSS_DROP, job)
 
 
