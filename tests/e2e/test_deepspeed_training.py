@@ -17,11 +17,12 @@ ZeRO-1 + bf16 + gradient accumulation      torchrun     ``import deepspeed`` bef
 ZeRO-2 + optimizer offload + grad. accum.  torchrun     ZeRO-Offload steps Adam with devshim's HostAdamOp;
   + activation checkpointing                            every block is recomputed in backward
 ZeRO-3 + bf16 + activation checkpointing   torchrun     the recompute re-gathers partitioned bf16 parameters
-ZeRO-3 save at step 5, resume (2 jobs)     torchrun     client state round-trips; resumed losses are
-                                                        bit-identical to the uninterrupted run
+ZeRO-3 save at step 5, resume (2 jobs;     torchrun     client state round-trips; resumed losses are
+  cpu and tpu)                                          bit-identical to the uninterrupted run
 ZeRO-0 with DEVSHIM_AUTO=1                 deepspeed    the launcher itself sized the job (2 ranks) from
                                                         devshim's device count, with no --num_gpus
-pipeline engine, 2 stages, ZeRO-1          torchrun     one stage per rank, trained through devshim
+pipeline engine, 2 stages, ZeRO-1 (cpu,    torchrun     one stage per rank, trained through devshim
+  tpu)
 =========================================  ===========  =====================================================
 
 Every job also proves that DeepSpeed ran through devshim's accelerator on every rank, that the loss fell,
@@ -41,7 +42,7 @@ from typing import Any
 import pytest
 
 from .launch import Job, assert_loss_fell, run_job
-from .platforms import ALL, CPU, Platform, build_emulator
+from .platforms import ALL, CPU, SOPHGO, Platform, build_emulator
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("deepspeed", reason="the end-to-end runs need the deepspeed extra")
@@ -199,6 +200,8 @@ def test_activation_checkpointing_of_zero3_bf16_recomputes_every_block_in_backwa
     assert_loss_fell(report["losses"], STEPS, LOSS_DROP, job)
 
 
+# not on npu: the reference job's resumes (ZeRO-1 and ZeRO-2) and its npu -> cpu checkpoint cover that device
+@pytest.mark.parametrize("platform", [CPU, SOPHGO], ids=["cpu", "tpu"], indirect=True)
 def test_zero3_checkpoint_resume_restores_client_state_and_reproduces_losses_exactly(tmp_path: Path,
                                                                                       platform: Platform) -> None:
     """save_checkpoint at step 5 then load_checkpoint in a new job continues exactly where training left off.
@@ -261,6 +264,8 @@ def test_deepspeed_launcher_sizes_the_job_from_devshim_device_count(tmp_path: Pa
     assert_loss_fell(report["losses"], STEPS, LOSS_DROP, job)
 
 
+# not on npu: the reference job trains its pipeline there against the whole model
+@pytest.mark.parametrize("platform", [CPU, SOPHGO], ids=["cpu", "tpu"], indirect=True)
 def test_pipeline_engine_trains_two_stages_one_per_rank(tmp_path: Path, platform: Platform) -> None:
     """DeepSpeed's PipelineEngine splits the GPT into 2 stages, one per rank, and trains it through devshim.
 
