@@ -13,8 +13,10 @@ from devshim_core.integrations.deepspeed.patches import (
     COMPRESSED_BACKEND_PATCHES,
     DEEPSPEED,
     DEEPSPEED_PATCHES,
+    GATHER_ORDER_PATCHES,
     OPTIMIZER_PATCHES,
     OPTIMIZERS_MODULE,
+    PARAMETERS_MODULE,
 )
 from devshim_core.patching import REGISTRY
 
@@ -37,6 +39,9 @@ def install(device: Device) -> str:
     if not REGISTRY.is_applied(COMPRESSED_BACKEND_PATCHES.name):  # imported only by the 1-bit optimizers
         import_hooks.after_import(COMPRESSED_BACKEND_MODULE,
                                   lambda module: REGISTRY.apply(COMPRESSED_BACKEND_PATCHES, device))
+    # only for the releases that wait for one handle of a coalesced gather (0.19.8 waits for all)
+    if not REGISTRY.is_applied(GATHER_ORDER_PATCHES.name) and not REGISTRY.check(GATHER_ORDER_PATCHES):
+        import_hooks.after_import(PARAMETERS_MODULE, lambda module: REGISTRY.apply(GATHER_ORDER_PATCHES, device))
     if REGISTRY.is_applied(DEEPSPEED_PATCHES.name):
         return "applied" + note
     if import_hooks.is_imported(ACCELERATOR_MODULE):
@@ -50,6 +55,8 @@ def uninstall() -> None:
     import_hooks.cancel(ACCELERATOR_MODULE)
     import_hooks.cancel(OPTIMIZERS_MODULE)
     import_hooks.cancel(COMPRESSED_BACKEND_MODULE)
+    import_hooks.cancel(PARAMETERS_MODULE)
+    REGISTRY.revert(GATHER_ORDER_PATCHES.name)
     REGISTRY.revert(COMPRESSED_BACKEND_PATCHES.name)
     REGISTRY.revert(OPTIMIZER_PATCHES.name)
     REGISTRY.revert(DEEPSPEED_PATCHES.name)

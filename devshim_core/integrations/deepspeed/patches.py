@@ -135,3 +135,73 @@ COMPRESSED_BACKEND_PATCHES = PatchSet(
                    "that, gloo refuses it ('invalid tensor size')"),
     ),
 )
+
+
+PARAMETERS_MODULE = "deepspeed.runtime.zero.partition_parameters"  # imported by `import deepspeed`
+
+
+class _OrderedGather:
+    """An asynchronous all-gather's handle whose ``wait`` first waits for every all-gather launched before it
+    (through the same :class:`_GathersInLaunchOrder`) that nobody has waited for yet."""
+
+    def __init__(self, work: Any, previous: _OrderedGather | None) -> None:
+        self._work = work
+        self._previous = previous
+        self._waited = False
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        chain: list[_OrderedGather] = []
+        node: _OrderedGather | None = self
+        while node is not None and not node._waited:
+            chain.append(node)
+            node = node._previous
+        result = True  # torch's Work.wait() answer, for a gather an earlier wait has already finished
+        for node in reversed(chain):  # oldest first
+            result = node._work.wait(*args, **kwargs)
+            node._waited, node._previous = True, None  # releases the chain's buffers as it goes
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class _GathersInLaunchOrder:
+    """``deepspeed.comm`` as ZeRO-3's ``partition_parameters`` sees it: waiting for an asynchronous ``all_gather``
+    or ``all_gather_into_tensor`` also waits for those launched before it, the order one CUDA stream gives them."""
+
+    def __init__(self, comm: Any) -> None:
+        self._comm = comm
+        self._last: _OrderedGather | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def _ordered(self, work: Any) -> Any:
+        if work is None:  # synchronous: already complete
+            return None
+        previous = self._last if self._last is not None and not self._last._waited else None
+        self._last = _OrderedGather(work, previous)
+        return self._last
+
+    def all_gather(self, *args: Any, **kwargs: Any) -> Any:
+        return self._ordered(self._comm.all_gather(*args, **kwargs))
+
+    def all_gather_into_tensor(self, *args: Any, **kwargs: Any) -> Any:
+        return self._ordered(self._comm.all_gather_into_tensor(*args, **kwargs))
+
+
+GATHER_ORDER_PATCHES = PatchSet(
+    name="deepspeed-zero3-gather-order",
+    requires=(Requirement("deepspeed", ">=0.16,<0.19.8"),),
+    reason="ZeRO-3's blocking parameter gather (GatheredParameters, save_16bit_model, zero.Init) waits for all of its "
+           "all-gathers on a backend that runs them out of order",
+    patches=(
+        SetAttribute(
+            name="comm", target=f"{PARAMETERS_MODULE}:dist",
+            make=lambda original, device: _GathersInLaunchOrder(original),
+            reason="Init._allgather_params_coalesced launches one async all-gather per parameter and waits for the "
+                   "last only, then hands out the torch.empty buffers: on CUDA one stream orders them, gloo runs them "
+                   "on independent threads, so a parameter could be read before its gather had filled it (garbage "
+                   "weights; DeepSpeed 0.19.8 waits for every handle, deepspeedai/DeepSpeed#8539)"),
+    ),
+)
