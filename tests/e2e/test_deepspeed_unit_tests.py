@@ -36,6 +36,20 @@ EXPECTED_FAILURES = {
 SUITES = {
     "accelerator": (("unit/v1/accelerator",), (), 11, 600),
     "adamw": (("unit/ops/adam/test_adamw.py",), (), 16, 900),
+    # TestReal*/TestUneven*: the ones that load a Hugging Face model
+    "checkpoint_reshape_autotp": (("unit/checkpoint/test_reshape_checkpoint.py",
+                                   "unit/checkpoint/test_autotp_uc_checkpoint.py"),
+                                  ("-k", "not TestReal and not TestUneven"), 40, 900),
+    "zero_config_tiled_clip": (("unit/runtime/zero/test_zero_config.py", "unit/runtime/zero/test_zero_tiled.py",
+                                "unit/runtime/zero/test_zero_grad_clip.py"), (), 16, 900),
+    # slow: each case starts fresh ranks (minutes per suite on 2 cores)
+    "zero": (("unit/v1/zero/test_zero.py",),
+             ("-k", "TestZeroUnbalancedGradients or TestIncorectAllgatherBucketSize or TestZeroAdamOptimizerStepCount "
+                    "or TestPartitionNcclAlignment or TestBF16OptimizerGradReduction"), 10, 1800),
+    "moe_gating": (("unit/v1/moe/test_moe.py",), ("-k", "TestTopkGate or top1gating or topkgating or test_no_ep_group"),
+                   11, 1800),
+    "comm_init": (("unit/comm/test_dist.py",),
+                  ("-k", "TestDistInitNoEnv or TestDistInitWithModel or (TestDistInit and test_no_init)"), 8, 1200),
 }
 
 
