@@ -52,7 +52,7 @@ def run(quick: bool = False) -> list[Result]:
     for folder in ("devshim_core", "kernels", "plugins"):
         compileall.compile_dir(ROOT / folder, quiet=1)
     env = _clean_env()
-    repeats = 2 if quick else 15
+    repeats = 1 if quick else 15
     best = {name: [float("inf")] * len(statements) for name, statements in CONTENDERS.items()}
     for _ in range(repeats):  # interleaved: a noisy moment hits every contender alike
         for name, statements in CONTENDERS.items():

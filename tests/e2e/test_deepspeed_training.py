@@ -16,9 +16,9 @@ ZeRO-1 + bf16 + gradient accumulation      torchrun     ``import deepspeed`` bef
                                                         devshim's op builders (FusedAdamOp)
 ZeRO-2 + optimizer offload + grad. accum.  torchrun     ZeRO-Offload steps Adam with devshim's HostAdamOp;
   + activation checkpointing                            every block is recomputed in backward
-ZeRO-3 + bf16 + activation checkpointing   torchrun     the recompute re-gathers partitioned bf16 parameters
-ZeRO-3 save at step 5, resume (2 jobs;     torchrun     client state round-trips; resumed losses are
-  cpu and tpu)                                          bit-identical to the uninterrupted run
+ZeRO-3 + activation checkpointing, save    torchrun     client state round-trips; resumed losses are
+  at step 5, resume (2 jobs; cpu and tpu)               bit-identical to the uninterrupted run; the recompute
+                                                        re-gathers partitioned parameters
 ZeRO-0 with DEVSHIM_AUTO=1                 deepspeed    the launcher itself sized the job (2 ranks) from
                                                         devshim's device count, with no --num_gpus
 pipeline engine, 2 stages, ZeRO-1 (cpu,    torchrun     one stage per rank, trained through devshim
@@ -151,7 +151,7 @@ def test_zero1_bf16_gradient_accumulation_with_deepspeed_imported_before_devshim
 
 # DeepSpeed's checkpoint backward restores the RNG state with get_accelerator().default_generator(current_device());
 # on rank 1 (current device 1) that indexes the cpu_reference device module's one-element ``default_generators``.
-# ZeRO-3 (the test after this one) hides it: its Init calls set_device(torch.device("cpu")), which resets every
+# ZeRO-3 (the resume test) hides it: its Init calls set_device(torch.device("cpu")), which resets every
 # rank's current device to 0.
 def test_zero2_optimizer_offload_steps_adam_with_devshim_host_kernel(tmp_path: Path, platform: Platform) -> None:
     """ZeRO-2 with the optimizer offloaded to the host (ZeRO-Offload) runs DeepSpeedCPUAdam on HostAdamOp.
@@ -178,28 +178,6 @@ def test_zero2_optimizer_offload_steps_adam_with_devshim_host_kernel(tmp_path: P
     assert_loss_fell(report["losses"], STEPS, LOSS_DROP, job)
 
 
-def test_activation_checkpointing_of_zero3_bf16_recomputes_every_block_in_backward(tmp_path: Path,
-                                                                                   platform: Platform) -> None:
-    """``deepspeed.checkpointing.checkpoint`` with ZeRO-3 + bf16 trains on both ranks, recomputing each block.
-
-    The script counts block forwards: 2 per block and micro-batch on each rank (forward, then recompute)
-    proves activations were checkpointed rather than kept; the recompute re-gathers the partitioned bf16
-    parameters. (With ZeRO-2 + offload: the offload test above.)
-    """
-    args = ["--zero-stage", "3", "--bf16", "--activation-checkpointing", "--steps", str(STEPS)]
-    job = train(platform, args, tmp_path)
-    report = job.report()
-
-    assert_trained_through_devshim(job, report, optimizer_op="FusedAdamOp", platform=platform)
-    assert_matches_cpu(platform, args, report["losses"], tmp_path, job)
-    for rank in report["ranks"]:
-        assert rank["blocks"] == 2, rank
-        assert rank["forwards_per_block_per_micro_batch"] == 2.0, rank
-        assert rank["param_dtype"] == "torch.bfloat16", rank
-    assert report["zero_stage"] == 3
-    assert_loss_fell(report["losses"], STEPS, LOSS_DROP, job)
-
-
 # not on npu: the reference job's resumes (ZeRO-1 and ZeRO-2) and its npu -> cpu checkpoint cover that device
 @pytest.mark.parametrize("platform", [CPU, SOPHGO], ids=["cpu", "tpu"], indirect=True)
 def test_zero3_checkpoint_resume_restores_client_state_and_reproduces_losses_exactly(tmp_path: Path,
@@ -213,19 +191,24 @@ def test_zero3_checkpoint_resume_restores_client_state_and_reproduces_losses_exa
     generated from k alone, the model has no dropout, a gloo sum over 2 ranks is order-independent, and the
     checkpoint holds the fp32 master parameters and Adam moments verbatim; any difference would mean state was
     lost or altered in the round trip.
+
+    Both jobs checkpoint activations: each block runs twice per micro-batch (forward, then the recompute in
+    backward, which re-gathers ZeRO-3's partitioned parameters), and the recompute changes no number.
     """
     ckpt = tmp_path / "checkpoints"
-    first = train(platform, ["--zero-stage", "3", "--steps", str(STEPS), "--save-dir", str(ckpt), "--save-at", "5"],
-                  tmp_path / "uninterrupted")
+    first = train(platform, ["--zero-stage", "3", "--activation-checkpointing", "--steps", str(STEPS), "--save-dir",
+                             str(ckpt), "--save-at", "5"], tmp_path / "uninterrupted")
     uninterrupted = first.report()
     assert_trained_through_devshim(first, uninterrupted, optimizer_op="FusedAdamOp", platform=platform)
+    for rank in uninterrupted["ranks"]:
+        assert rank["blocks"] == 2 and rank["forwards_per_block_per_micro_batch"] == 2.0, rank
     assert uninterrupted["zero_stage"] == 3
     assert uninterrupted["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
     assert_loss_fell(uninterrupted["losses"], STEPS, LOSS_DROP, first)
     assert (ckpt / "latest").read_text().strip() == "global_step5", sorted(p.name for p in ckpt.iterdir())
 
-    second = train(platform, ["--zero-stage", "3", "--steps", str(STEPS), "--load-dir", str(ckpt)],
-                   tmp_path / "resumed")
+    second = train(platform, ["--zero-stage", "3", "--activation-checkpointing", "--steps", str(STEPS), "--load-dir",
+                              str(ckpt)], tmp_path / "resumed")
     resumed = second.report()
     assert_trained_through_devshim(second, resumed, optimizer_op="FusedAdamOp", platform=platform)
     assert [r["start_step"] for r in resumed["ranks"]] == [5, 5], second.tail()
