@@ -44,6 +44,11 @@ def _seqlen(x: torch.Tensor) -> np.ndarray:
     return (x != 0).sum(dim=1).numpy().astype(np.int64)
 
 
+def _index(analysis: Path, kind: str) -> str:
+    """One of the analyzer's index files for the ``seqlen`` metric: ``index_to_sample`` or ``index_to_metric``."""
+    return str(analysis / "seqlen" / f"seqlen_{kind}")
+
+
 def analyze(folder: Path) -> list[int]:
     """Run DeepSpeed's DataAnalyzer over the data, one map worker per rank; the metric it indexed, per sample."""
     from deepspeed.runtime.data_pipeline.data_sampling.data_analyzer import DataAnalyzer
@@ -58,8 +63,8 @@ def analyze(folder: Path) -> list[int]:
                  metric_functions=[_seqlen], metric_types=["single_value_per_sample"], metric_dtypes=[np.int64],
                  save_path=str(folder), collate_fn=lambda pairs: torch.stack([x for x, _ in pairs])).run_map_reduce()
     dist.barrier()
-    to_sample = MMapIndexedDataset(str(folder / "seqlen" / "seqlen_index_to_sample"), skip_warmup=True)
-    to_metric = MMapIndexedDataset(str(folder / "seqlen" / "seqlen_index_to_metric"), skip_warmup=True)
+    to_sample = MMapIndexedDataset(_index(folder, "index_to_sample"), skip_warmup=True)
+    to_metric = MMapIndexedDataset(_index(folder, "index_to_metric"), skip_warmup=True)
     metric = [-1] * SAMPLES
     for row in range(len(to_sample)):
         for sample in to_sample[row]:
@@ -68,8 +73,8 @@ def analyze(folder: Path) -> list[int]:
 
 
 def _config(base: dict[str, Any], analysis: Path, clusters: Path, curriculum: bool) -> dict[str, Any]:
-    metric = {"index_to_sample_path": str(analysis / "seqlen" / "seqlen_index_to_sample"),
-              "index_to_metric_path": str(analysis / "seqlen" / "seqlen_index_to_metric"),
+    metric = {"index_to_sample_path": _index(analysis, "index_to_sample"),
+              "index_to_metric_path": _index(analysis, "index_to_metric"),
               "difficulty_type": "value", "clustering_type": "schedule_based", "schedule_type": "fixed_linear",
               "min_difficulty": SCHEDULE["min_difficulty"], "max_difficulty": SCHEDULE["max_difficulty"],
               "schedule_config": {k: SCHEDULE[k] for k in ("total_curriculum_step", "difficulty_step")}}
