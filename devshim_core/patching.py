@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
+import importlib.util
 import os
 import re
 import sys
@@ -18,8 +20,10 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from devshim_core import import_hooks
 from devshim_core.distributions import installed_version
 from devshim_core.errors import PatchError
 
@@ -243,12 +247,36 @@ class _BlockingFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+class _FallbackFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serve prepared modules for names that no finder before it on ``sys.meta_path`` finds.
+
+    Appended last, it is asked at import time, so a real module that appears later (a checkout put on
+    ``sys.path`` after activation) still wins.
+    """
+
+    def __init__(self, modules: dict[str, ModuleType]) -> None:
+        self.modules = modules
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.modules:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return self.modules[spec.name]
+
+    def exec_module(self, module: ModuleType) -> None:
+        """The module is built already."""
+
+
 @dataclass(frozen=True)
 class ProvideModules(Patch):
-    """Put stand-in modules into ``sys.modules`` and make others unimportable, before a framework imports them.
+    """Provide stand-in modules and make others unimportable, before a framework imports them.
 
-    ``modules(device)`` returns ``{name: module}`` (a name already imported is left alone); ``blocked`` maps
-    top-level module names to why they cannot work here: importing one raises ModuleNotFoundError, which
+    ``modules(device)`` returns ``{name: module}`` put into ``sys.modules`` at once, ahead of any real module
+    of that name (a name already imported is left alone). ``fallbacks(device)`` returns stand-ins for modules
+    that may be missing: each is served only when no other finder finds the name at import time. ``blocked``
+    maps top-level module names to why they cannot work here: importing one raises ModuleNotFoundError, which
     frameworks already catch to take their fallback, instead of a CUDA error or a crash later.
     """
 
@@ -257,6 +285,7 @@ class ProvideModules(Patch):
     blocked: Mapping[str, str]
     reason: str
     requires: tuple[Requirement, ...] = ()
+    fallbacks: Callable[[Device], dict[str, ModuleType]] = lambda device: {}
 
     def target_description(self) -> str:
         return f"sys.modules: {', '.join(sorted(self.blocked))} blocked" if self.blocked else "sys.modules"
@@ -264,17 +293,24 @@ class ProvideModules(Patch):
     def apply(self, device: Device) -> tuple[Undo, str]:
         provided = {n: m for n, m in self.modules(device).items() if n not in sys.modules}
         sys.modules.update(provided)
-        finder = _BlockingFinder(dict(self.blocked))
-        sys.meta_path.insert(0, finder)
+        blocking = _BlockingFinder(dict(self.blocked))
+        sys.meta_path.insert(0, blocking)
+        fallbacks = {n: m for n, m in self.fallbacks(device).items() if n not in sys.modules}
+        fallback = _FallbackFinder(fallbacks)
+        sys.meta_path.append(fallback)
 
         def undo() -> None:
-            if finder in sys.meta_path:
-                sys.meta_path.remove(finder)
-            for name, module in provided.items():
+            for finder in (blocking, fallback):
+                if finder in sys.meta_path:
+                    sys.meta_path.remove(finder)
+            for name, module in (provided | fallbacks).items():
                 if sys.modules.get(name) is module:
                     del sys.modules[name]
 
-        return undo, f"provided {', '.join(sorted(provided)) or 'nothing'}; {len(self.blocked)} blocked"
+        detail = f"provided {', '.join(sorted(provided)) or 'nothing'}"
+        if fallbacks:
+            detail += f"; fallback for {', '.join(sorted(fallbacks))}"
+        return undo, f"{detail}; {len(self.blocked)} blocked"
 
 
 @dataclass(frozen=True)
@@ -389,6 +425,17 @@ class PatchRegistry:
                 continue
             problems.extend(_unmet(r, patch_set, patch) for r in requires)
         return [p for p in problems if p]
+
+    def apply_when_imported(self, patch_set: PatchSet, module: str, device: Device) -> bool:
+        """Apply ``patch_set`` once ``module`` is imported (now, if it is), for sets whose requirements the
+        installed versions meet; returns whether it was armed or applied. A set for other versions stays out
+        of the report instead of being refused: it exists for releases the user does not have."""
+        if self.is_applied(patch_set.name):
+            return True
+        if self.check(patch_set):
+            return False
+        import_hooks.after_import(module, lambda imported: self.apply(patch_set, device))
+        return True
 
     def apply(self, patch_set: PatchSet, device: Device) -> AppliedPatchSet:
         """Apply every patch of ``patch_set`` or none of them. Applying an applied set does nothing."""

@@ -8,6 +8,7 @@ Every test patches throwaway modules registered in ``sys.modules`` under unique 
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as metadata
 import itertools
 import sys
@@ -19,6 +20,7 @@ from devshim_core.errors import PatchError
 from devshim_core.patching import (
     PatchRegistry,
     PatchSet,
+    ProvideModules,
     RebindReferences,
     Requirement,
     SetAttribute,
@@ -238,6 +240,28 @@ def test_a_set_for_versions_that_are_not_installed_is_refused_with_a_clear_messa
     assert made == [] and module.f is original
 
 
+def test_a_set_applied_when_its_module_is_imported_waits_for_that_import(module_name, registry, tmp_path,
+                                                                         monkeypatch):
+    (tmp_path / f"{module_name}.py").write_text("def f():\n    return 'original'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    declared = patch_set(set_attribute(f"{module_name}:f", replace_with(replacement)))
+
+    assert registry.apply_when_imported(declared, module_name, DEVICE) is True
+    assert not registry.is_applied(declared.name)
+    assert importlib.import_module(module_name).f is replacement
+    assert registry.is_applied(declared.name)
+
+
+def test_a_set_for_other_versions_is_not_armed_for_its_module_and_is_not_refused(make_module, registry):
+    module = make_module(f=original)
+    declared = patch_set(set_attribute(f"{module.__name__}:f", replace_with(replacement)),
+                         requires=(Requirement("pluggy", f"<{PLUGGY_MAJOR}"),))
+
+    assert registry.apply_when_imported(declared, module.__name__, DEVICE) is False
+    assert module.f is original and not registry.is_applied(declared.name)
+
+
 def test_a_set_for_a_distribution_that_is_not_installed_is_refused(make_module, registry):
     module = make_module(f=original)
     declared = patch_set(set_attribute(f"{module.__name__}:f", replace_with(replacement)),
@@ -435,3 +459,59 @@ def test_rebinding_never_calls_a_module_getattr_hook(make_module, registry):
                                               pairs=lambda device: [(original, replacement)], reason="r")), DEVICE)
     assert module.f is replacement
     assert asked == []
+
+
+# -- providing modules ---------------------------------------------------------------------------
+
+
+def provide(fallbacks=lambda device: {}, modules=lambda device: {}, blocked=None) -> PatchSet:
+    return patch_set(ProvideModules(name="provide", modules=modules, blocked=blocked or {}, fallbacks=fallbacks,
+                                    reason="stand in for what may be missing"))
+
+
+@pytest.fixture
+def module_name():
+    name = f"devshim_provided_{next(_counter)}"
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_a_fallback_module_is_imported_when_no_real_module_exists_and_is_gone_after_revert(module_name, registry):
+    stand_in = types.ModuleType(module_name, "stand-in")
+    registry.apply(provide(fallbacks=lambda device: {module_name: stand_in}), DEVICE)
+    assert module_name not in sys.modules  # served on import, not planted
+    assert importlib.import_module(module_name) is stand_in
+
+    registry.revert_all()
+    assert module_name not in sys.modules
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(module_name)
+
+
+def test_a_real_module_that_appears_on_sys_path_after_activation_wins_over_the_fallback(module_name, registry,
+                                                                                       tmp_path, monkeypatch):
+    stand_in = types.ModuleType(module_name, "stand-in")
+    registry.apply(provide(fallbacks=lambda device: {module_name: stand_in}), DEVICE)
+    (tmp_path / f"{module_name}.py").write_text("REAL = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+
+    assert importlib.import_module(module_name).REAL is True
+
+
+def test_a_provided_module_is_planted_ahead_of_a_real_one_and_a_blocked_one_fails_as_not_installed(
+        module_name, registry, tmp_path, monkeypatch):
+    (tmp_path / f"{module_name}.py").write_text("REAL = True\n")
+    (tmp_path / f"{module_name}_blocked.py").write_text("REAL = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    stand_in = types.ModuleType(module_name, "stand-in")
+    registry.apply(provide(modules=lambda device: {module_name: stand_in},
+                           blocked={f"{module_name}_blocked": "CUDA-only"}), DEVICE)
+
+    assert importlib.import_module(module_name) is stand_in
+    with pytest.raises(ModuleNotFoundError, match="CUDA-only"):
+        importlib.import_module(f"{module_name}_blocked")
+    registry.revert_all()
+    assert importlib.import_module(f"{module_name}_blocked").REAL is True
+    sys.modules.pop(f"{module_name}_blocked")

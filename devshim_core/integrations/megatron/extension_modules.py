@@ -8,7 +8,6 @@ then crashes or computes on the wrong device later. Blocking them makes the fall
 from __future__ import annotations
 
 import importlib.util
-import os
 from types import ModuleType
 from typing import Any
 
@@ -67,26 +66,18 @@ def _missing(name: str) -> bool:
         return True
 
 
-def _deepspeed_lacks_compress() -> bool:
-    """Looked up on disk: importing ``deepspeed.compression`` to ask would import all of DeepSpeed."""
-    try:
-        spec = importlib.util.find_spec("deepspeed")
-    except (ImportError, ValueError):
-        return False
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    locations = spec.submodule_search_locations
-    return not any(os.path.exists(os.path.join(p, "compression", "compress.py")) for p in locations)
-
-
 def provided(device: Device) -> dict[str, ModuleType]:
-    """``fused_weight_gradient_mlp_cuda`` on the plugin's ``wgrad_accumulate``, and stand-ins for modules that
-    cannot import here (each only when the real one is missing)."""
+    """``fused_weight_gradient_mlp_cuda`` on the plugin's ``wgrad_accumulate``, and the batch-invariant stand-in
+    when triton is missing (the real module exists and imports triton)."""
     from devshim_core.integrations.megatron.wgrad_module import make_module
 
     modules = {"fused_weight_gradient_mlp_cuda": make_module(device)}
     if _missing("triton"):
         modules[BATCH_INVARIANT] = _batch_invariant_standin()
-    if _deepspeed_lacks_compress():
-        modules["deepspeed.compression.compress"] = _deepspeed_compression_compat()
     return modules
+
+
+def fallbacks(device: Device) -> dict[str, ModuleType]:
+    """Stand-ins served only when no real module of the name is found at import time (DeepSpeed >= 0.19 on
+    ``sys.path``, or none)."""
+    return {"deepspeed.compression.compress": _deepspeed_compression_compat()}

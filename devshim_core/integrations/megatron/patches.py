@@ -35,9 +35,11 @@ EXTENSION_MODULES = PatchSet(
     reason="Megatron imports CUDA extensions at import time; they must be provided or blocked before it does",
     patches=(ProvideModules(
         name="cuda-extension-modules", modules=extension_modules.provided, blocked=extension_modules.BLOCKED,
+        fallbacks=extension_modules.fallbacks,
         reason="fused_weight_gradient_mlp_cuda runs on the plugin's wgrad_accumulate; CUDA builds of apex, "
                "TransformerEngine, flash-attn and the fused-softmax extensions fail as not installed, so "
-               "Megatron takes its torch fallbacks"),),
+               "Megatron takes its torch fallbacks; DeepSpeed >= 0.19's missing compression module, which "
+               "Megatron-DeepSpeed imports, is a stand-in that refuses compression training"),),
 )
 
 
