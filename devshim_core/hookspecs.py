@@ -133,8 +133,9 @@ def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels | None:
     FusedAdam, and without ``host_adam_step`` its DeepSpeedCPUAdam, cannot be created: the op builder's
     ``load()`` raises a RuntimeError naming the plugin (DeepSpeedCPUAdam raises its own from it) and
     nothing is compiled. ``None`` overall means all three are absent. Without ``host_adam_rollback``, the
-    ``cpu_adam`` op's ``adam_rollback`` returns -1 with the error on stderr, as the compiled op does for
-    what it cannot undo (DeepSpeed 0.19 ignores that code: provide it if your users roll steps back).
+    ``cpu_adam`` op's ``adam_rollback`` raises a KernelCallError naming the missing kernel. ``host_adam_step``
+    must accept ``param_copy``: ZeRO-Offload's bf16/fp16 step passes the host buffer of the device copy, to
+    be written bit for bit as ``Tensor.to`` converts, in the same pass.
     """
 
 

@@ -198,8 +198,10 @@ class FusedAdamW(Protocol):
 class HostAdamStep(Protocol):
     """One Adam/AdamW step on host tensors for optimizer offload, in place; same arguments as one
     tensor of :class:`FusedAdamW` (``max_exp_avg_sq``, ``param_copy``). Params may be fp32, bf16 or fp16;
-    states fp32 or the param dtype. As a rollback it undoes exactly one step and may refuse amsgrad,
-    whose running maximum cannot be undone."""
+    states fp32 or the param dtype. ``param_copy`` (bf16 or fp16, the params' size), when given, receives
+    the updated params converted as ``Tensor.to`` would, bit for bit: ZeRO-Offload's step passes it so that
+    the device copy is written in the same pass. As a rollback it undoes exactly one step and may refuse
+    amsgrad, whose running maximum cannot be undone."""
 
     def __call__(
         self,
@@ -216,6 +218,7 @@ class HostAdamStep(Protocol):
         weight_decay: float,
         adamw_mode: bool,
         bias_correction: bool,
+        param_copy: Any = None,
     ) -> None: ...
 
 

@@ -117,3 +117,13 @@ def test_the_file_io_benchmark_moves_bytes_through_devshims_async_io_op(quick_re
     assert {n["name"].split(",")[0] for n in moved} == {"devshim async_io write", "devshim async_io read"}
     assert all(n["unit"] == "GB/s" and n["value"] > 0 for n in moved)
     assert any(name.startswith("DeepSpeed's libaio op not run: not measured (--quick)") for name in notes)
+
+
+def test_the_offload_step_benchmark_trains_through_the_one_pass_step(quick_report):
+    notes = {n["name"]: n for n in quick_report[0]["notes"] if n["group"] == "offload_step"}
+    from bench.offload_step import WARMUP
+
+    assert notes["devshim: warm-up steps whose bf16 copy the host Adam wrote"]["value"] == WARMUP
+    share = next(n for name, n in notes.items() if name.startswith("devshim: optimizer-step share"))
+    assert 0 < share["value"] < 1
+    assert any(name.startswith("DeepSpeed's CPU accelerator not run: not measured (--quick)") for name in notes)

@@ -391,6 +391,39 @@ def test_cpu_adam_op_rollback_returns_0_and_undoes_adam_update(cpu_adam_op):
     torch.testing.assert_close((p, m, v), before, **FP32)
 
 
+def _update_registering(cpu_adam_op, copy: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One ``adam_update`` of 1031 fp32 params with ``copy`` registered for them, as ZeRO-Offload's one-pass step
+    registers a partition's buffer: (params before, params after, copies the op made)."""
+    (init,), ((grad,),) = make_problem(seed, shapes=[(1031,)], steps=1)
+    p, m, v = init.clone(), torch.zeros(1031), torch.zeros(1031)
+    cpu_adam_op.param_copies = {p.data_ptr(): copy}
+    assert cpu_adam_op.create_adam(OPTIMIZER_ID) == 0
+    made = cpu_adam_op.copies_made
+    try:
+        cpu_adam_op.adam_update(OPTIMIZER_ID, *_update_args(p, grad, m, v))
+    finally:
+        cpu_adam_op.destroy_adam(OPTIMIZER_ID)
+        cpu_adam_op.param_copies = {}
+    return init, p, cpu_adam_op.copies_made - made
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=["bf16", "fp16"])
+def test_cpu_adam_op_writes_a_registered_param_copy_in_the_update_as_tensor_to_would(cpu_adam_op, dtype):
+    copy = torch.zeros(1031, dtype=dtype)
+    _, p, made = _update_registering(cpu_adam_op, copy, seed=9)
+    assert torch.equal(copy, p.to(dtype)) and made == 1
+    assert (copy.data_ptr(), p.data_ptr()) in cpu_adam_op.copies_written
+    cpu_adam_op.copies_written.clear()
+
+
+@pytest.mark.parametrize("copy", [torch.zeros(100, dtype=torch.bfloat16), torch.zeros(1031)],
+                         ids=["other-size", "fp32"])
+def test_cpu_adam_op_leaves_a_registered_copy_that_does_not_fit_untouched(cpu_adam_op, copy):
+    init, p, made = _update_registering(cpu_adam_op, copy, seed=10)
+    assert not copy.any() and made == 0
+    assert not torch.equal(p, init)  # the update itself ran
+
+
 def test_cpu_adam_op_logs_its_creation_only_when_asked(cpu_adam_op, capsys):
     cpu_adam_op.create_adam(OPTIMIZER_ID, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
     assert capsys.readouterr().out == ""

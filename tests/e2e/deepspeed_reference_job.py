@@ -23,6 +23,9 @@ weights, and rank 0 writes every run's per-step losses (mean over ranks) and fin
   and, as the negative control, off;
 - ``moe``: an MoE layer with expert parallel 2 against the same network computed whole in one process;
 - ``autotp``: ``deepspeed.init_inference`` with tensor parallel 2 (AutoTP) against the unsharded model's logits;
+- ``one_pass_offload``: ZeRO-2 bf16 with the optimizer offloaded, devshim's one-pass step (the host Adam writes the
+  bf16 copy) against DeepSpeed's two-pass step (the set reverted): each rank's fp32 master partitions, Adam states
+  and bf16 weights compared with ``torch.equal``;
 - ``pipeline``: two pipeline stages, one per rank, against the same model trained whole with plain PyTorch.
 
 ``--load-foreign DIR`` alone: resume another device's ``portable`` checkpoint here. ``--load-universal DIR`` and
@@ -466,6 +469,41 @@ def load_fp32(path: Path) -> dict[str, Any]:
     return {"parameters": trained_parameters(engine), "zero_stage": engine.zero_optimization_stage()}
 
 
+def run_offload_bf16(data: list, device: torch.device) -> tuple[dict[str, list[torch.Tensor]], Any]:
+    """ZeRO-2 bf16 with the optimizer on the host: this rank's tensors after ``STEPS`` steps, and its counts of
+    one-pass copies (``None`` when devshim's one-pass step never ran)."""
+    config = ds_config(2, MICRO_BATCH, 1)
+    config["bf16"] = {"enabled": True}
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    engine, _, _, _ = deepspeed.initialize(model=make_model(), model_parameters=None, config=config)
+    train(engine, data, range(STEPS), device)
+    optimizer = engine.optimizer
+    states = [optimizer.optimizer.state[p] for p in optimizer.single_partition_of_fp32_groups]
+    tensors = {"fp32_master": [p.detach().clone() for p in optimizer.single_partition_of_fp32_groups],
+               "exp_avg": [s["exp_avg"].clone() for s in states],
+               "exp_avg_sq": [s["exp_avg_sq"].clone() for s in states],
+               "bf16_weights": [p.detach().cpu().clone() for p in engine.module.parameters()]}
+    counts = getattr(optimizer, "devshim_one_pass", None)
+    return tensors, None if counts is None else {"written": counts.written, "skipped": counts.skipped}
+
+
+def run_one_pass_offload(data: list, device: torch.device) -> dict[str, Any]:
+    """One-pass against two-pass: the second run has devshim's set reverted, so DeepSpeed converts as it ships."""
+    from devshim_core.patching import REGISTRY
+
+    one_pass, one_pass_counts = run_offload_bf16(data, device)
+    reverted = REGISTRY.revert("deepspeed-zero-offload-one-pass")
+    two_pass, two_pass_counts = run_offload_bf16(data, device)
+    equal = {name: all(torch.equal(a, b) for a, b in zip(one_pass[name], two_pass[name], strict=True))
+             for name in one_pass}
+    unequal_ranks = {name: int(max_over_ranks(torch.tensor(float(not same), device=device)))
+                     for name, same in equal.items()}
+    return {"identical_on_every_rank": {name: not bad for name, bad in unequal_ranks.items()},
+            "elements": {name: sum(t.numel() for t in one_pass[name]) for name in one_pass},
+            "groups": len(one_pass["fp32_master"]), "steps": STEPS, "reverted": reverted,
+            "one_pass_counts": one_pass_counts, "two_pass_counts": two_pass_counts}
+
+
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     get_accelerator().manual_seed(seed)
@@ -591,6 +629,7 @@ def main() -> None:
                                        curriculum=state == "on", analysis=analysis) for state in ("on", "off")}
     runs["moe"] = run_moe(device)
     runs["autotp"] = run_autotp(device)
+    runs["one_pass_offload"] = run_one_pass_offload(data, device)  # reverts the one-pass set
     # last: a pipeline engine leaves its grid in deepspeed.utils.groups, where later engines would find it
     runs["pipeline"] = run_pipeline(device)
     if rank == 0:

@@ -235,6 +235,20 @@ def test_zero_infinity_offloading_to_nvme_swaps_through_devshims_async_io_and_ma
     assert nvme["weights_sha256"] == cpu["weights_sha256"]
 
 
+@pytest.mark.skipif(not version_in_range(metadata.version("deepspeed"), ">=0.17"),
+                    reason="DeepSpeed < 0.17 converts the offloaded fp32 weights on the device: no one-pass set")
+def test_zero2_bf16_offload_in_one_pass_is_bit_identical_to_deepspeeds_two_pass_step(report):
+    run = report["runs"]["one_pass_offload"]
+    assert run["reverted"] is True
+    assert run["identical_on_every_rank"] == dict.fromkeys(
+        ("fp32_master", "exp_avg", "exp_avg_sq", "bf16_weights"), True), run
+    assert run["elements"]["fp32_master"] > 0
+    # every step of every group was written by the host Adam and its second pass skipped; without the set, none
+    done = run["steps"] * run["groups"]
+    assert run["one_pass_counts"] == {"written": done, "skipped": done}, run
+    assert run["two_pass_counts"] is None
+
+
 def test_a_checkpoint_written_on_the_emulated_npu_resumes_on_the_cpu(tmp_path_factory):
     npu, npu_dir = reference_job(ASCEND, tmp_path_factory)
     cpu = run_reference_job(CPU, tmp_path_factory.mktemp("foreign-on-cpu"), "--load-foreign",

@@ -14,11 +14,21 @@ from devshim_core.integrations.deepspeed.patches import (
     DEEPSPEED,
     DEEPSPEED_PATCHES,
     GATHER_ORDER_PATCHES,
+    ONE_PASS_OFFLOAD_PATCHES,
     OPTIMIZER_PATCHES,
     OPTIMIZERS_MODULE,
     PARAMETERS_MODULE,
+    STAGE_1_AND_2_MODULE,
 )
 from devshim_core.patching import REGISTRY
+
+# sets applied when their module is imported; each only for the DeepSpeed releases it declares
+_WHEN_IMPORTED = (
+    (OPTIMIZER_PATCHES, OPTIMIZERS_MODULE),
+    (COMPRESSED_BACKEND_PATCHES, COMPRESSED_BACKEND_MODULE),  # imported only by the 1-bit optimizers
+    (GATHER_ORDER_PATCHES, PARAMETERS_MODULE),
+    (ONE_PASS_OFFLOAD_PATCHES, STAGE_1_AND_2_MODULE),
+)
 
 
 def _overridden_selection() -> str:
@@ -34,14 +44,8 @@ def install(device: Device) -> str:
                          f"(pip install 'deepspeed{DEEPSPEED.spec}'), or set DEVSHIM_PATCH_DEEPSPEED=0 to run "
                          "without it.")
     note = _overridden_selection()
-    if not REGISTRY.is_applied(OPTIMIZER_PATCHES.name):
-        import_hooks.after_import(OPTIMIZERS_MODULE, lambda module: REGISTRY.apply(OPTIMIZER_PATCHES, device))
-    if not REGISTRY.is_applied(COMPRESSED_BACKEND_PATCHES.name):  # imported only by the 1-bit optimizers
-        import_hooks.after_import(COMPRESSED_BACKEND_MODULE,
-                                  lambda module: REGISTRY.apply(COMPRESSED_BACKEND_PATCHES, device))
-    # only for the releases that wait for one handle of a coalesced gather (0.19.8 waits for all)
-    if not REGISTRY.is_applied(GATHER_ORDER_PATCHES.name) and not REGISTRY.check(GATHER_ORDER_PATCHES):
-        import_hooks.after_import(PARAMETERS_MODULE, lambda module: REGISTRY.apply(GATHER_ORDER_PATCHES, device))
+    for patch_set, module in _WHEN_IMPORTED:
+        REGISTRY.apply_when_imported(patch_set, module, device)
     if REGISTRY.is_applied(DEEPSPEED_PATCHES.name):
         return "applied" + note
     if import_hooks.is_imported(ACCELERATOR_MODULE):
@@ -53,10 +57,7 @@ def install(device: Device) -> str:
 
 def uninstall() -> None:
     import_hooks.cancel(ACCELERATOR_MODULE)
-    import_hooks.cancel(OPTIMIZERS_MODULE)
-    import_hooks.cancel(COMPRESSED_BACKEND_MODULE)
-    import_hooks.cancel(PARAMETERS_MODULE)
-    REGISTRY.revert(GATHER_ORDER_PATCHES.name)
-    REGISTRY.revert(COMPRESSED_BACKEND_PATCHES.name)
-    REGISTRY.revert(OPTIMIZER_PATCHES.name)
+    for patch_set, module in reversed(_WHEN_IMPORTED):
+        import_hooks.cancel(module)
+        REGISTRY.revert(patch_set.name)
     REGISTRY.revert(DEEPSPEED_PATCHES.name)

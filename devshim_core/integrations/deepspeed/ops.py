@@ -15,6 +15,7 @@ from devshim_core.errors import KernelCallError
 from devshim_core.records import FusedAdamW, HostAdamStep
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_COPY_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class FusedAdamOp:
@@ -47,12 +48,20 @@ class HostAdamOp:
     The optimizer's AdamW/Adam mode is fixed at ``create_adam``. Unlike the compiled op, bad input raises
     :class:`KernelCallError` (holding the params tensor) instead of printing and returning -1:
     ``DeepSpeedCPUAdam.step`` discards the return code, so -1 froze a parameter group in silence.
+
+    ``param_copies`` maps a params tensor's ``data_ptr()`` to a host bf16/fp16 tensor of its size: ``adam_update``
+    of those params also writes the updated params, converted, into it in the same pass (ZeRO-Offload's one-pass
+    step sets it for the length of a step), adds ``(copy, params)`` data pointers to ``copies_written`` and counts
+    the copy in ``copies_made``.
     """
 
     def __init__(self, step: HostAdamStep, rollback: HostAdamStep | None) -> None:
         self._step = step
         self._rollback = rollback
         self._adamw_mode: dict[int, bool] = {}  # per optimizer id, fixed at create_adam
+        self.param_copies: dict[int, torch.Tensor] = {}
+        self.copies_written: set[tuple[int, int]] = set()
+        self.copies_made = 0
 
     def create_adam(self, optimizer_id: int, lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
                     eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
@@ -82,9 +91,21 @@ class HostAdamOp:
         if problem is not None:
             raise KernelCallError(f"host Adam {what} for optimizer #{optimizer_id}: {problem}", params)
         assert adamw_mode is not None and kernel is not None
+        copy = self._param_copy(params) if kernel is self._step else None
+        extra = {} if copy is None else {"param_copy": copy}
         kernel(params, grads, exp_avg, exp_avg_sq, step=int(step), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-               weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bool(bias_correction))
+               weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bool(bias_correction), **extra)
+        if copy is not None:
+            self.copies_written.add((copy.data_ptr(), params.data_ptr()))
+            self.copies_made += 1
         return 0
+
+    def _param_copy(self, params: torch.Tensor) -> torch.Tensor | None:
+        copy = self.param_copies.get(params.data_ptr())
+        if (copy is None or params.dtype != torch.float32 or copy.dtype not in _COPY_DTYPES
+                or copy.device.type != "cpu" or copy.numel() != params.numel() or not copy.is_contiguous()):
+            return None
+        return copy
 
     def adam_update(self, optimizer_id: int, step: int, lr: float, beta1: float, beta2: float, eps: float,
                     weight_decay: float, bias_correction: bool, params: torch.Tensor, grads: torch.Tensor,

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from devshim_core.device import Device
+from devshim_core.integrations.deepspeed.one_pass_offload import STAGE_1_AND_2_MODULE, one_pass_step
 from devshim_core.integrations.deepspeed.optimizer_errors import naming_the_group
 from devshim_core.patching import PatchSet, RebindReferences, Requirement, SetAttribute, SetAttributes
 
@@ -203,5 +204,19 @@ GATHER_ORDER_PATCHES = PatchSet(
                    "last only, then hands out the torch.empty buffers: on CUDA one stream orders them, gloo runs them "
                    "on independent threads, so a parameter could be read before its gather had filled it (garbage "
                    "weights; DeepSpeed 0.19.8 waits for every handle, deepspeedai/DeepSpeed#8539)"),
+    ),
+)
+
+
+ONE_PASS_OFFLOAD_PATCHES = PatchSet(
+    name="deepspeed-zero-offload-one-pass",
+    requires=(Requirement("deepspeed", ">=0.17,<0.20"),),
+    reason="ZeRO-1/2 offload with bf16/fp16 weights reads the fp32 master weights once per step, not twice",
+    patches=(
+        SetAttribute(
+            name="step", target=f"{STAGE_1_AND_2_MODULE}:DeepSpeedZeroOptimizer.step", make=one_pass_step,
+            reason="after the host Adam, step() converts each fp32 partition into its pinned bf16/fp16 buffer in a "
+                   "second pass; devshim's host Adam writes the buffer in the update's pass (bit for bit the same "
+                   "conversion) and the repeated copy is skipped. 0.16 converts on the device instead"),
     ),
 )
