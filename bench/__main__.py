@@ -17,7 +17,7 @@ import torch
 from bench.common import Comparison, Note, Result
 
 MODULES = ("host_adam", "attention", "fused_ops", "import_cost", "end_to_end", "vendor_peer", "cuda_redirect",
-           "megatron_step", "file_io", "offload_step")
+           "megatron_step", "file_io", "offload_step", "adam_identity")
 DEFAULT_OUTPUT = pathlib.Path(__file__).resolve().parent / "results.json"
 
 
