@@ -76,12 +76,14 @@ class Contender:
         self.ready = self._answer()
 
     def _answer(self) -> dict[str, Any]:
-        line = self.ranks[0].stdout.readline() if self.ranks[0].stdout else ""
-        if not line:
-            self.close()
-            log = pathlib.Path(self.logs[0].name).read_text()[-3000:]
-            raise RuntimeError(f"{self.name} worker ended:\n{log}")
-        return json.loads(line)
+        """The next ``BENCH`` line of rank 0 (DeepSpeed prints on the same stdout)."""
+        assert self.ranks[0].stdout is not None
+        for line in self.ranks[0].stdout:
+            if line.startswith("BENCH "):
+                return json.loads(line[len("BENCH "):])
+        self.close()
+        log = pathlib.Path(self.logs[0].name).read_text()[-3000:]
+        raise RuntimeError(f"{self.name} worker ended:\n{log}")
 
     def train(self, steps: int) -> dict[str, list[float]]:
         assert self.ranks[0].stdin is not None

@@ -3,9 +3,9 @@
 ``--contender devshim`` imports ``devshim_core.auto`` (cpu_reference, the one-pass step); ``--contender deepspeed``
 never imports devshim and runs DeepSpeed's own CPU accelerator (``DS_ACCELERATOR=cpu``, its JIT-built
 ``cpu_adam``). Rank 0 reads commands on stdin and passes them to the other ranks: ``run K`` trains K steps and
-prints, as one JSON line, each step's wall time, the time of its ``engine.step()`` (the optimizer step: host
-Adam, the copies to the device weights, the all-gather), and its loss; ``quit`` ends. The engine is built and
-warmed up before the first ``ready`` line.
+prints, as one JSON line after ``BENCH``, each step's wall time, the time of its ``engine.step()`` (the optimizer
+step: host Adam, the copies to the device weights, the all-gather), and its loss; ``quit`` ends. The engine is
+built and warmed up before the first ``ready`` line.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> None:
     op = getattr(engine.optimizer.optimizer, "ds_opt_adam", None)
     one_pass = getattr(engine.optimizer, "devshim_one_pass", None)
     if rank == 0:
-        print(json.dumps({"ready": True, "parameters": sum(p.numel() for p in model.parameters()),
+        print("BENCH", json.dumps({"ready": True, "parameters": sum(p.numel() for p in model.parameters()),
                           "cpu_adam_op": type(op).__module__ if args.contender == "devshim" else str(op),
                           "one_pass_copies": None if one_pass is None else one_pass.written}), flush=True)
     while True:
@@ -74,7 +74,7 @@ def main() -> None:
             break
         measured = train(int(count))
         if rank == 0:
-            print(json.dumps(measured), flush=True)
+            print("BENCH", json.dumps(measured), flush=True)
     dist.barrier()
 
 
