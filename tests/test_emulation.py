@@ -204,6 +204,41 @@ def test_the_build_key_follows_the_source_the_torch_version_and_the_cxx_abi(tmp_
     assert build.build_key() not in (first, changed_source, changed_torch)
 
 
+@pytest.fixture
+def nothing_loaded(monkeypatch):
+    """As in a fresh process: no emulator loaded, and any library import recorded instead of done."""
+    imported: list[Path] = []
+    monkeypatch.setattr(build, "_loaded", None)
+    monkeypatch.setattr(build, "_import_library", lambda path, name: imported.append(path))
+    return imported
+
+
+def test_a_library_planted_in_a_cache_other_users_can_write_to_is_never_loaded(tmp_path, monkeypatch,
+                                                                                nothing_loaded):
+    shared = tmp_path / "shared-cache"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("DEVSHIM_CACHE_DIR", str(shared))
+    directory = build.build_directory()
+    directory.mkdir(parents=True)  # as another user would have made it
+    (directory / f"{build.module_name()}.so").write_bytes(b"planted")
+
+    with pytest.raises(build.EmulationBuildError, match=r"shared-cache is writable by other users \(mode 777\)"):
+        build.load_extension()
+    assert nothing_loaded == []
+
+
+def test_the_cache_directories_devshim_creates_are_private(tmp_path, monkeypatch, nothing_loaded):
+    monkeypatch.setenv("DEVSHIM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_compile", lambda directory, name: (directory / f"{name}.so").write_bytes(b"built"))
+    build.load_extension()
+
+    directory = build.build_directory()
+    assert nothing_loaded == [directory / f"{build.module_name()}.so"]
+    for path in (directory, *directory.parents[:3]):  # torch-<version>, emulation, the cache root
+        assert path.stat().st_mode & 0o777 == 0o700, path
+
+
 def test_the_build_key_of_the_shipped_source_names_the_build_directory():
     assert build.build_directory() == Path(CACHE) / "emulation" / f"torch-{torch.__version__}" / build.build_key()
 

@@ -2,7 +2,8 @@
 
 Only emulation asks for it. The build goes to ``$DEVSHIM_CACHE_DIR`` (default ``~/.cache/devshim``), never to
 ``TORCH_EXTENSIONS_DIR``, and is guarded by a file lock so that the ranks of a job starting together build
-it once between them.
+it once between them. Directories devshim creates there are private (mode 0700), and nothing is built in or
+loaded from a directory another user owns or can write to: a library planted there would run as this user.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib.machinery
 import importlib.util
 import os
 import shutil
+import stat
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,9 +68,28 @@ def missing_build_tools() -> list[str]:
     return missing
 
 
+def _private(directory: Path) -> None:
+    """Create ``directory`` (mode 0700 for what is created) and check that this user alone can write to it and
+    to each directory from the cache root down."""
+    root = cache_root()
+    missing = [path for path in (directory, *directory.parents) if not path.exists()]
+    for path in reversed(missing):  # mkdir(parents=True) would give the parents the default mode
+        path.mkdir(mode=0o700, exist_ok=True)
+    for path in (directory, *directory.parents):
+        status = path.stat()
+        if status.st_uid != os.getuid() or status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise EmulationBuildError(
+                f"devshim will not build or load its emulated device in {directory}: {path} is "
+                f"{'owned by another user' if status.st_uid != os.getuid() else 'writable by other users'} "
+                f"(mode {stat.S_IMODE(status.st_mode):o}), so a library planted there would run as you. Point "
+                "DEVSHIM_CACHE_DIR at a directory of your own (it is created with mode 0700).")
+        if path == root:
+            break
+
+
 @contextlib.contextmanager
 def _locked(directory: Path) -> Iterator[None]:
-    directory.mkdir(parents=True, exist_ok=True)
+    _private(directory)
     with open(directory / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -119,6 +140,8 @@ def load_extension() -> ModuleType:
     if _loaded is not None:
         return _loaded
     name, directory = module_name(), build_directory()
+    if directory.exists():
+        _private(directory)
     library = _built_library(directory, name)
     if library is None:
         _require_build_tools()  # before the build directory and its lock exist: a refused build leaves nothing
