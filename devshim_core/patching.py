@@ -73,13 +73,19 @@ def version_in_range(version: str, spec: str) -> bool:
 
 @dataclass(frozen=True)
 class Requirement:
-    """A distribution and the version range a patch set (or one patch) was written and tested for."""
+    """A distribution and the version range a patch set (or one patch) was written and tested for.
+
+    ``running``, when given, reads the version of the code actually imported (without importing anything) and
+    returns ``None`` when it cannot tell: a source checkout on ``sys.path`` runs code that the installed
+    distribution's metadata does not describe.
+    """
 
     distribution: str
     spec: str
+    running: Callable[[], str | None] | None = field(default=None, compare=False, repr=False)
 
     def installed(self) -> str | None:
-        return installed_version(self.distribution)
+        return (self.running and self.running()) or installed_version(self.distribution)
 
     def problem(self) -> str | None:
         version = self.installed()
@@ -427,15 +433,17 @@ class PatchRegistry:
         return [p for p in problems if p]
 
     def apply_when_imported(self, patch_set: PatchSet, module: str, device: Device) -> bool:
-        """Apply ``patch_set`` once ``module`` is imported (now, if it is), for sets whose requirements the
-        installed versions meet; returns whether it was armed or applied. A set for other versions stays out
-        of the report instead of being refused: it exists for releases the user does not have."""
-        if self.is_applied(patch_set.name):
-            return True
-        if self.check(patch_set):
-            return False
-        import_hooks.after_import(module, lambda imported: self.apply(patch_set, device))
-        return True
+        """Apply ``patch_set`` once ``module`` is imported (now, if it is), if the versions then imported meet
+        its requirements; returns False when it was checked now and not applied. A set for other versions
+        stays out of the report instead of being refused: it exists for releases the user does not have. The
+        versions are checked at import, not before, so that a requirement's ``running`` version can count."""
+
+        def apply_if_supported(imported: Any) -> None:
+            if not self.is_applied(patch_set.name) and not self.check(patch_set):
+                self.apply(patch_set, device)
+
+        import_hooks.after_import(module, apply_if_supported)
+        return not import_hooks.is_imported(module) or self.is_applied(patch_set.name)
 
     def apply(self, patch_set: PatchSet, device: Device) -> AppliedPatchSet:
         """Apply every patch of ``patch_set`` or none of them. Applying an applied set does nothing."""

@@ -9,6 +9,8 @@ launched before it.
 
 from __future__ import annotations
 
+import sys
+import types
 from importlib import metadata
 
 # isort: off
@@ -18,6 +20,7 @@ import deepspeed  # noqa: F401
 # isort: on
 import pytest
 
+from devshim_core.integrations.deepspeed import patches
 from devshim_core.integrations.deepspeed.patches import GATHER_ORDER_PATCHES, _GathersInLaunchOrder
 from devshim_core.patching import REGISTRY, version_in_range
 
@@ -97,3 +100,24 @@ def test_the_patched_function_still_waits_for_one_handle_only():
     from deepspeed.runtime.zero.partition_parameters import Init
 
     assert "launch_handles[-1].wait()" in inspect.getsource(Init._allgather_params_coalesced)
+
+
+def test_the_deepspeed_version_that_counts_is_the_imported_checkouts(tmp_path, monkeypatch):
+    """DeepSpeed's unit tests import a source checkout over the installed release: the version gates must see the
+    checkout's version (from git_version_info, or its version.txt when that says 0.0.0), not the metadata's."""
+    package = tmp_path / "DeepSpeed" / "deepspeed"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (tmp_path / "DeepSpeed" / "version.txt").write_text("0.19.6\n")
+    checkout = types.ModuleType("deepspeed")
+    checkout.__file__ = str(package / "__init__.py")
+    info = types.ModuleType("deepspeed.git_version_info")
+    info.version = "0.0.0"  # an uninstalled checkout, run from its tests/ folder
+    monkeypatch.setitem(sys.modules, "deepspeed", checkout)
+    monkeypatch.setitem(sys.modules, "deepspeed.git_version_info", info)
+
+    assert patches.running_deepspeed() == "0.19.6"
+    assert REGISTRY.check(GATHER_ORDER_PATCHES) == []  # 0.19.6 waits for one handle: patched
+    info.version = "0.19.8"
+    assert patches.running_deepspeed() == "0.19.8"
+    assert REGISTRY.check(GATHER_ORDER_PATCHES) != []

@@ -253,13 +253,28 @@ def test_a_set_applied_when_its_module_is_imported_waits_for_that_import(module_
     assert registry.is_applied(declared.name)
 
 
-def test_a_set_for_other_versions_is_not_armed_for_its_module_and_is_not_refused(make_module, registry):
+def test_a_set_for_other_versions_is_not_applied_when_its_module_is_imported_and_is_not_refused(make_module,
+                                                                                               registry):
     module = make_module(f=original)
     declared = patch_set(set_attribute(f"{module.__name__}:f", replace_with(replacement)),
                          requires=(Requirement("pluggy", f"<{PLUGGY_MAJOR}"),))
 
     assert registry.apply_when_imported(declared, module.__name__, DEVICE) is False
     assert module.f is original and not registry.is_applied(declared.name)
+
+
+def test_the_version_of_the_code_imported_counts_over_the_installed_distributions(make_module, registry):
+    """A source checkout on sys.path (``running``) runs another version than the installed metadata says."""
+    assert Requirement("pluggy", f">={PLUGGY_MAJOR + 1}", running=lambda: f"{PLUGGY_MAJOR + 1}.0").problem() is None
+    assert Requirement("pluggy", f"<{PLUGGY_MAJOR}", running=lambda: f"{PLUGGY_MAJOR - 1}.5").problem() is None
+    unknown = Requirement("pluggy", f">={PLUGGY_MAJOR + 1}", running=lambda: None)  # falls back to the metadata
+    assert unknown.problem() == f"pluggy {PLUGGY} is installed, but this patch set supports >={PLUGGY_MAJOR + 1}"
+
+    module = make_module(f=original)
+    declared = patch_set(set_attribute(f"{module.__name__}:f", replace_with(replacement)),
+                         requires=(Requirement("pluggy", f"<{PLUGGY_MAJOR}", running=lambda: "0.1"),))
+    assert registry.apply_when_imported(declared, module.__name__, DEVICE) is True
+    assert module.f is replacement
 
 
 def test_a_set_for_a_distribution_that_is_not_installed_is_refused(make_module, registry):

@@ -6,6 +6,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from devshim_core.device import Device
@@ -13,7 +14,27 @@ from devshim_core.integrations.deepspeed.one_pass_offload import STAGE_1_AND_2_M
 from devshim_core.integrations.deepspeed.optimizer_errors import naming_the_group
 from devshim_core.patching import PatchSet, RebindReferences, Requirement, SetAttribute, SetAttributes
 
-DEEPSPEED = Requirement("deepspeed", ">=0.16,<0.20")
+
+def running_deepspeed() -> str | None:
+    """The version of the DeepSpeed being imported, which differs from the installed distribution's when a source
+    checkout is on ``sys.path`` (DeepSpeed's own unit tests run that way): ``git_version_info`` once DeepSpeed has
+    read it, else the checkout's ``version.txt`` (an uninstalled checkout's ``git_version_info`` reads it from the
+    working directory and says 0.0.0 elsewhere). ``None`` before DeepSpeed is imported."""
+    version = getattr(sys.modules.get("deepspeed.git_version_info"), "version", None)
+    if version and version != "0.0.0":
+        return version
+    origin = getattr(sys.modules.get("deepspeed"), "__file__", None)
+    checkout_version = Path(origin).parent.parent / "version.txt" if origin else None
+    if checkout_version is not None and checkout_version.is_file():
+        return checkout_version.read_text().strip() or None
+    return None
+
+
+def deepspeed_versions(spec: str) -> Requirement:
+    return Requirement("deepspeed", spec, running=running_deepspeed)
+
+
+DEEPSPEED = deepspeed_versions(">=0.16,<0.20")
 ACCELERATOR_MODULE = "deepspeed.accelerator.real_accelerator"
 OPTIMIZERS_MODULE = "deepspeed.ops.adam"  # imported by `import deepspeed`, after the accelerator
 
@@ -126,7 +147,7 @@ class _GatherIntoMatchingShapes:
 
 COMPRESSED_BACKEND_PATCHES = PatchSet(
     name="deepspeed-compressed-backend",
-    requires=(Requirement("deepspeed", ">=0.16,<0.19.7"),),
+    requires=(deepspeed_versions(">=0.16,<0.19.7"),),
     reason="the 1-bit optimizers' compressed all-reduce runs on any backend",
     patches=(
         SetAttribute(
@@ -193,7 +214,7 @@ class _GathersInLaunchOrder:
 
 GATHER_ORDER_PATCHES = PatchSet(
     name="deepspeed-zero3-gather-order",
-    requires=(Requirement("deepspeed", ">=0.16,<0.19.8"),),
+    requires=(deepspeed_versions(">=0.16,<0.19.8"),),
     reason="ZeRO-3's blocking parameter gather (GatheredParameters, save_16bit_model, zero.Init) waits for all of its "
            "all-gathers on a backend that runs them out of order",
     patches=(
@@ -210,7 +231,7 @@ GATHER_ORDER_PATCHES = PatchSet(
 
 ONE_PASS_OFFLOAD_PATCHES = PatchSet(
     name="deepspeed-zero-offload-one-pass",
-    requires=(Requirement("deepspeed", ">=0.17,<0.20"),),
+    requires=(deepspeed_versions(">=0.17,<0.20"),),
     reason="ZeRO-1/2 offload with bf16/fp16 weights reads the fp32 master weights once per step, not twice",
     patches=(
         SetAttribute(
