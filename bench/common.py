@@ -7,6 +7,7 @@ interleaved, and reports the ratio ``devshim_seconds / peer_seconds`` against th
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -17,6 +18,13 @@ def environment_without_devshim() -> dict[str, str]:
     """This process's environment minus devshim's switches and ``DS_ACCELERATOR``: what a contender
     process starts from, so neither side inherits the other's configuration."""
     return {k: v for k, v in os.environ.items() if not k.startswith("DEVSHIM_") and k != "DS_ACCELERATOR"}
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now, for a contender's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def time_min(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 2,

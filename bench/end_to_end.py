@@ -17,24 +17,17 @@ from __future__ import annotations
 
 import json
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from bench.common import Comparison, Note, Result, environment_without_devshim
+from bench.common import Comparison, Note, Result, environment_without_devshim, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 RANKS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(contender: str, extensions: pathlib.Path) -> dict[str, str]:
@@ -50,7 +43,7 @@ def _env(contender: str, extensions: pathlib.Path) -> dict[str, str]:
 def _train(contender: str, extensions: pathlib.Path, steps: int, workdir: pathlib.Path) -> tuple[dict, float]:
     """One launch; returns rank 0's report and the wall-clock launch time."""
     report = workdir / f"{contender}-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", f"--master-port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", f"--master-port={free_port()}",
            str(SCRIPT), "--zero-stage", "2", "--steps", str(steps), "--report", str(report)]
     launched = time.time()
     proc = subprocess.run(cmd, env=_env(contender, extensions), cwd=ROOT, capture_output=True, text=True)

@@ -43,8 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Note, Result, environment_without_devshim
-from bench.end_to_end import RANKS, ROOT, _free_port
+from bench.common import Note, Result, environment_without_devshim, free_port
+from bench.end_to_end import RANKS, ROOT
 from bench.vendor_peer import PairedComparison, paired_ratio
 
 DRIVER = Path(__file__).resolve().parent / "megatron_step_driver.py"
@@ -83,7 +83,7 @@ def _train(contender: str, sizes: dict[str, int], steps: int, workdir: Path,
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", str(DRIVER), flag, "--steps", str(steps), "--report", str(report),
+           f"--master-port={free_port()}", str(DRIVER), flag, "--steps", str(steps), "--report", str(report),
            *(f"--{k}={v}" for k, v in sizes.items()),
            *(["--profile-step", str(profile_step)] if profile_step is not None else [])]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)

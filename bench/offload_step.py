@@ -31,14 +31,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from typing import IO, Any
 
-from bench.common import Note, Result, environment_without_devshim
+from bench.common import Note, Result, environment_without_devshim, free_port
 from bench.vendor_peer import PairedComparison, paired_ratio
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -49,19 +48,13 @@ WARMUP, ROUNDS, STEPS_PER_ROUND = 2, 8, 3
 MAX_RATIO = 0.90
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Contender:
     """One contender's ranks, resident; rank 0 takes commands on stdin and answers one JSON line each."""
 
     def __init__(self, name: str, width: int, layers: int, workdir: pathlib.Path, extensions: pathlib.Path) -> None:
         self.name = name
         self.logs: list[IO[str]] = []
-        port = _free_port()
+        port = free_port()
         self.ranks: list[subprocess.Popen[str]] = []
         for rank in range(RANKS):
             env = environment_without_devshim()

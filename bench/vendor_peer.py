@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import Comparison, Result, environment_without_devshim
-from bench.end_to_end import RANKS, ROOT, SCRIPT, _free_port
+from bench.common import Comparison, Result, environment_without_devshim, free_port
+from bench.end_to_end import RANKS, ROOT, SCRIPT
 
 ROUNDS, STEPS, WARMUP = 8, 70, 10
 MAX_RATIO = 1.0
@@ -100,7 +100,7 @@ def _train(contender: str, extensions: Path, workdir: Path) -> dict[str, Any]:
     """One launch; returns rank 0's report after checking that it trained on the accelerator it should have."""
     report = workdir / f"{contender}-{time.monotonic_ns()}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", str(SCRIPT), "--zero-stage", "2", "--steps", str(STEPS),
+           f"--master-port={free_port()}", str(SCRIPT), "--zero-stage", "2", "--steps", str(STEPS),
            "--report", str(report)]
     proc = subprocess.run(cmd, env=_env(contender, extensions), cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
