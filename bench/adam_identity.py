@@ -28,7 +28,7 @@ from bench.common import Note, Result
 
 SIZES = (1, 7, 31, 33, 127, 1000, 4099, 65537, 100_003)
 STEPS = 120
-PATHS = {"native": None, "native-generic": "generic", "torch": "0"}  # DEVSHIM_KERNELS_NATIVE
+PATHS = {"native": None, "native-generic": "generic", "torch": "0"}  # the setting of DEVSHIM_KERNELS_NATIVE
 MODES = tuple(itertools.product((True, False), (False, True)))  # (adamw, amsgrad)
 HYPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
 
@@ -40,18 +40,18 @@ def vector_width() -> int:
 
 @contextmanager
 def kernel_path(path: str) -> Iterator[None]:
-    setting, before = PATHS[path], os.environ.get("DEVSHIM_KERNELS_NATIVE")
-    if setting is None:
-        os.environ.pop("DEVSHIM_KERNELS_NATIVE", None)
-    else:
-        os.environ["DEVSHIM_KERNELS_NATIVE"] = setting
+    """Run ``devshim_kernels``' Adam on ``path`` (one of ``PATHS``) inside the block."""
+    from devshim_kernels.adam import NATIVE_SWITCH
+
+    setting, before = PATHS[path], os.environ.pop(NATIVE_SWITCH, None)
+    if setting is not None:
+        os.environ[NATIVE_SWITCH] = setting
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("DEVSHIM_KERNELS_NATIVE", None)
-        else:
-            os.environ["DEVSHIM_KERNELS_NATIVE"] = before
+        os.environ.pop(NATIVE_SWITCH, None)
+        if before is not None:
+            os.environ[NATIVE_SWITCH] = before
 
 
 def compare(numel: int, adamw: bool, amsgrad: bool, steps: int = STEPS) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator, Sequence
 
 # isort: off
@@ -36,8 +35,7 @@ FP32 = {"rtol": 1e-6, "atol": 1e-6}
 STEPS = 50
 SHAPES = [(5,), (3, 7), (2, 2, 9), (257,)]
 ODD_SHAPES = [(1,), (7,), (3, 7), (2, 2, 9), (257,), (30_011,)]  # no size a multiple of a SIMD width
-PATHS = ["native", "native-generic", "torch"]
-SETTINGS = {"native": None, "native-generic": "generic", "torch": "0"}
+PATHS = list(adam_identity.PATHS)  # native as this CPU runs it, its portable C loop, PyTorch
 
 
 @contextlib.contextmanager
@@ -45,17 +43,10 @@ def using(path: str) -> Iterator[None]:
     """Run the kernels on ``path`` (skips the test if that path cannot run here)."""
     if path != "torch" and _native.LIBRARY is None:
         pytest.skip(f"native kernel unavailable: {_native.REASON}")
-    before = os.environ.pop(adam.NATIVE_SWITCH, None)
-    if SETTINGS[path] is not None:
-        os.environ[adam.NATIVE_SWITCH] = SETTINGS[path]
-    try:
+    with adam_identity.kernel_path(path):
         if path == "native" and not adam.implementation().startswith("native"):
             pytest.skip(f"no native kernel for this CPU: {adam.implementation()}")
         yield
-    finally:
-        os.environ.pop(adam.NATIVE_SWITCH, None)
-        if before is not None:
-            os.environ[adam.NATIVE_SWITCH] = before
 
 
 @pytest.fixture(params=PATHS)
