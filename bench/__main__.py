@@ -14,11 +14,13 @@ import traceback
 
 import torch
 
-from bench.common import Comparison, Note, Result
+from bench.common import Comparison, Note, Result, seconds_text
+from bench.stats import VERDICTS
 
 MODULES = ("host_adam", "attention", "fused_ops", "import_cost", "end_to_end", "vendor_peer", "cuda_redirect",
            "megatron_step", "file_io", "offload_step", "adam_identity")
 DEFAULT_OUTPUT = pathlib.Path(__file__).resolve().parent / "results.json"
+QUICK_OUTPUT = DEFAULT_OUTPUT.with_name("results-quick.json")  # a smoke run never replaces the real figures
 
 
 def machine() -> dict[str, object]:
@@ -35,28 +37,41 @@ def machine() -> dict[str, object]:
             "platform": platform.platform(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def _seconds(value: float) -> str:
-    return f"{value * 1e3:.2f} ms" if value < 1 else f"{value:.2f} s"
-
-
 def _line(result: Result) -> str:
     if isinstance(result, Comparison):
-        verdict = "met" if result.met else getattr(result, "verdict", "missed").replace("missed", "MISSED")
-        return (f"{result.group:<11} {result.case:<44} {result.subject[:26]:<26} {_seconds(result.subject_seconds):>10}"
-                f"  {result.peer[:30]:<30} {_seconds(result.peer_seconds):>10}  {result.ratio:6.3f}×  "
-                f"{result.target:<24} {verdict}")
-    verdict = "" if result.met is None else ("met" if result.met else "MISSED")
-    return f"{result.group:<11} {result.name:<70} {result.value:12.3f} {result.unit:<6} {result.target:<12} {verdict}"
+        verdict = result.verdict.upper() if result.verdict == "missed" else result.verdict
+        return (f"{result.group:<11} {result.case[:60]:<60} {result.subject[:26]:<26} "
+                f"{seconds_text(result.subject_seconds):>10}  {result.peer[:30]:<30} "
+                f"{seconds_text(result.peer_seconds):>10}  "
+                f"{result.ratio:6.3f}× [{result.estimate.low:.3f}, {result.estimate.high:.3f}]  "
+                f"{result.target[:40]:<40} {verdict}")
+    return f"{result.group:<11} {result.name[:90]:<90} {result.value:12.3f} {result.unit}"
+
+
+def tally(comparisons: list[dict]) -> dict[str, int]:
+    """The targets of a run: each judged comparison once, by verdict. Two judged rows that compare the same
+    contenders in the same case would count one target twice, so they are refused."""
+    judged = [r for r in comparisons if r["judged"]]
+    seen: set[tuple[str, str, str, str]] = set()
+    for r in judged:
+        key = (r["group"], r["case"], r["subject"], r["peer"])
+        if key in seen:
+            raise ValueError(f"a target is judged twice: {key}")
+        seen.add(key)
+    counts = {verdict: sum(r["verdict"] == verdict for r in judged) for verdict in VERDICTS}
+    return {"judged": len(judged), **counts}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, no compiled peers: a smoke run")
     parser.add_argument("--only", default=",".join(MODULES), help=f"comma-separated subset of {','.join(MODULES)}")
-    parser.add_argument("--output", type=pathlib.Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("--output", type=pathlib.Path,
+                        help=f"default: {DEFAULT_OUTPUT.name}, or {QUICK_OUTPUT.name} with --quick")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other groups' results already in --output (re-run some benchmarks only)")
     args = parser.parse_args(argv)
+    args.output = args.output or (QUICK_OUTPUT if args.quick else DEFAULT_OUTPUT)
     chosen = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(MODULES))
     if unknown:
@@ -84,20 +99,20 @@ def main(argv: list[str] | None = None) -> int:
         fresh = {r["group"] for r in comparisons + notes}
         comparisons = [r for r in previous["comparisons"] if r["group"] not in fresh] + comparisons
         notes = [r for r in previous["notes"] if r["group"] not in fresh] + notes
-    judged = comparisons + [n for n in notes if n["met"] is not None]
-    met = sum(bool(r["met"]) for r in judged)
+    targets = tally(comparisons)
     document = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "quick": args.quick,
         "machine": machine(),
         "comparisons": comparisons,
         "notes": notes,
-        "targets": {"met": met, "judged": len(judged)},
+        "targets": targets,
         "failures": failures,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"targets met: {met}/{len(judged)}; results in {args.output}")
+    print(f"targets: {targets['met']} met, {targets['missed']} missed, {targets['inconclusive']} inconclusive "
+          f"of {targets['judged']}; results in {args.output}")
     return 1 if failures else 0
 
 

@@ -1,17 +1,19 @@
-"""What every benchmark shares: min-of-repeats timing and the comparison record the runner prints.
+"""What every benchmark shares: the records the runner prints and writes, and a contender's clean environment.
 
-A benchmark never asserts a speed. It measures devshim and its peer in the same process (or the same run),
-interleaved, and reports the ratio ``devshim_seconds / peer_seconds`` against the issue's target.
+A benchmark never asserts a speed. It measures devshim and its peer in the same run, in paired, interleaved
+rounds, and reports the geometric mean of the per-round ratios devshim / peer with its interval
+(:mod:`bench.stats`) against the issue's target.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import time
-from collections.abc import Callable
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from bench.stats import Estimate, paired_ratio, verdict
 
 
 def environment_without_devshim() -> dict[str, str]:
@@ -27,77 +29,86 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def time_min(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 2,
-             sync: Callable[[], object] | None = None) -> float:
-    """The minimum wall time of ``fn()`` over ``repeats`` calls, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if sync is not None:
-            sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+def largest_relative_difference(values: list[float], reference: list[float]) -> float:
+    """max |a - b| / |b| over the pairs: how far two contenders' losses drifted apart at one step."""
+    return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
 
 
-def time_min_interleaved(fns: dict[str, Callable[[], object]], *, repeats: int = 7,
-                         warmup: int = 2) -> dict[str, float]:
-    """Like :func:`time_min` for several contenders, alternating them so machine noise hits all alike."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+def seconds_text(value: float) -> str:
+    """A time in the unit that shows it best: µs, ms or s."""
+    if value < 1e-3:
+        return f"{value * 1e6:.2f} µs"
+    return f"{value * 1e3:.2f} ms" if value < 1 else f"{value:.2f} s"
 
 
 @dataclass
 class Comparison:
-    """devshim against one peer in one configuration.
+    """devshim against one peer in one configuration, measured in paired rounds (:mod:`bench.stats`).
 
-    ``ratio`` is devshim's time over the peer's (below 1 = devshim faster). ``max_ratio`` is the target
-    written as the largest acceptable time ratio (a "≥ 2× faster" target is ``0.5``; "≥ 0.95× the peer's
-    speed" is ``1 / 0.95``); ``target`` states it in the issue's words.
+    ``subject_rounds[i]`` and ``peer_rounds[i]`` are the two contenders' times in round ``i``. ``ratio`` is the
+    geometric mean of the per-round ratios (below 1 = devshim faster), ``ci_low``/``ci_high`` its bootstrap 95%
+    interval. ``max_ratio`` is the target written as the largest acceptable time ratio (a "≥ 2× faster" target
+    is ``0.5``; "≥ 0.95× the peer's speed" is ``1 / 0.95``); ``target`` states it in the issue's words. A row
+    with ``judged=False`` is informational: reported with its interval, never counted as a target.
+    ``kernel_only`` marks a kernel timed in isolation, not a user's training step.
     """
 
     group: str  # e.g. "host_adam", "attention", "fused_ops", "end_to_end", "import"
     case: str  # the configuration, e.g. "100M fp32 + bf16 copy"
     subject: str  # e.g. "devshim (native)"
-    subject_seconds: float
+    subject_rounds: list[float]
     peer: str  # e.g. "torch.optim.AdamW(fused=True)"
-    peer_seconds: float
+    peer_rounds: list[float]
     max_ratio: float
     target: str
-    details: dict[str, Any] = field(default_factory=dict)  # bytes moved, GB/s, build time, ...
+    details: dict[str, Any] = field(default_factory=dict)  # bytes moved, GB/s, memory, losses, ...
+    judged: bool = True
+    kernel_only: bool = False
+    estimate: Estimate = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.estimate = paired_ratio(self.subject_rounds, self.peer_rounds)
+
+    @property
+    def subject_seconds(self) -> float:
+        return statistics.geometric_mean(self.subject_rounds)
+
+    @property
+    def peer_seconds(self) -> float:
+        return statistics.geometric_mean(self.peer_rounds)
 
     @property
     def ratio(self) -> float:
-        return self.subject_seconds / self.peer_seconds
+        return self.estimate.ratio
 
     @property
-    def met(self) -> bool:
-        return self.ratio <= self.max_ratio
+    def added_seconds(self) -> list[float]:
+        """What devshim adds to the peer's time, at the estimate and at each end of its interval."""
+        return [(r - 1) * self.peer_seconds for r in (self.ratio, self.estimate.low, self.estimate.high)]
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.estimate, self.max_ratio) if self.judged else "informational"
 
     def as_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": self.ratio, "met": self.met}
+        found = asdict(self)
+        found.pop("estimate")
+        return {**found, "subject_seconds": self.subject_seconds, "peer_seconds": self.peer_seconds,
+                "rounds": len(self.subject_rounds), "ratio": self.ratio, "ci_low": self.estimate.low,
+                "ci_high": self.estimate.high, "verdict": self.verdict}
 
 
 @dataclass
 class Note:
-    """A measurement that is not a ratio against a peer (a build time, a bandwidth, an absolute cost)."""
+    """An informational measurement that is not a timed ratio (a build time, a memory figure, a count).
+
+    Never a target: what is judged is judged as a :class:`Comparison`.
+    """
 
     group: str
     name: str
     value: float
     unit: str
-    target: str = ""
-    met: bool | None = None  # None: informational only
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,9 +10,9 @@ Protocol, fixed before any number was seen:
   files are deleted after each round. Both ops open files with O_DIRECT (devshim's for whole pages, which these
   are), so the page cache serves neither;
 - per direction, each round gives one paired ratio devshim seconds / DeepSpeed seconds; the result is their
-  geometric mean with the 95% t-interval on the logarithms (``bench.vendor_peer.paired_ratio``, 7 degrees of
-  freedom). Target: at least 0.9× DeepSpeed's bandwidth both ways, i.e. a time ratio of at most 1 / 0.9. Met
-  when the whole interval is at most that, missed when all of it is above, otherwise inconclusive.
+  geometric mean with its bootstrap 95% interval (:mod:`bench.stats`). Target: at least 0.9× DeepSpeed's
+  bandwidth both ways, i.e. a time ratio of at most 1 / 0.9. Met when the whole interval is at most that, missed
+  when all of it is above, otherwise inconclusive.
 
 DeepSpeed's op is JIT-built by the bench (never by a test) and needs libaio's headers (Debian: libaio-dev); if it
 cannot be built, the comparison is reported as not run, with the reason. ``--quick`` runs devshim's op alone on a
@@ -30,8 +30,8 @@ import sys
 import tempfile
 from typing import Any
 
-from bench.common import Note, Result, environment_without_devshim
-from bench.vendor_peer import PairedComparison, paired_ratio
+from bench.common import Comparison, Note, Result, environment_without_devshim
+from bench.stats import alternating
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = pathlib.Path(__file__).resolve().parent / "file_io_worker.py"
@@ -91,7 +91,7 @@ def measure(megabytes: int, rounds: int, contenders: tuple[str, ...]) -> dict[st
     try:
         with tempfile.TemporaryDirectory(prefix="devshim-file-io-", dir=ROOT) as directory:
             for r in range(rounds):
-                order = list(workers) if r % 2 == 0 else list(reversed(workers))
+                order = alternating(list(workers), r)
                 paths = {c: pathlib.Path(directory) / f"{c}-{r}.swp" for c in workers}
                 for direction in ("write", "read"):
                     for contender in order:
@@ -119,15 +119,11 @@ def results(raw: dict[str, Any]) -> list[Result]:
         return found
     for direction in ("write", "read"):
         subject, peer = raw["seconds"]["devshim"][direction], raw["seconds"]["deepspeed"][direction]
-        _, low, high = paired_ratio(subject, peer)
-        found.append(PairedComparison(
-            group="file_io",
-            case=f"{direction} {raw['megabytes']} MiB, 1 MiB blocks, QD 8 (geomean of {len(subject)} paired ratios, "
-                 f"95% CI {low:.3f}-{high:.3f}×)",
-            subject="devshim async_io (native pool)", subject_seconds=statistics.geometric_mean(subject),
-            peer="DeepSpeed async_io (libaio)", peer_seconds=statistics.geometric_mean(peer), max_ratio=MAX_RATIO,
-            target="≥ 0.9× DeepSpeed's GB/s", ci_low=low, ci_high=high,
-            details={"subject_seconds_per_round": subject, "peer_seconds_per_round": peer, "ops": raw["ops"]}))
+        found.append(Comparison(
+            group="file_io", case=f"{direction} {raw['megabytes']} MiB, 1 MiB blocks, QD 8",
+            subject="devshim async_io (native pool)", subject_rounds=subject,
+            peer="DeepSpeed async_io (libaio)", peer_rounds=peer, max_ratio=MAX_RATIO,
+            target="≥ 0.9× DeepSpeed's GB/s", details={"ops": raw["ops"]}))
     return found
 
 

@@ -1,31 +1,72 @@
-"""rms_norm, swiglu and rotary (half, interleaved): devshim's kernels against the math written out in torch.
+"""rms_norm, swiglu and rotary (half, interleaved): devshim's kernels against what a model would otherwise run.
 
-The peer is the expression a model would write (Megatron's and Hugging Face's unfused fallbacks), with
-autograd for the backward. Both sides run forward+backward (``torch.autograd.grad``, so no gradient
-accumulation pass) on the same tensors, interleaved; forward alone is reported too. Target: devshim no slower
-(time ratio <= 1.0). Sizes: LLaMA-7B-like activations, 4096 tokens x hidden 4096 (swiglu: 2 x 4096 in; rotary:
-32 heads of 128), and 8192 tokens x hidden 2048 (rms_norm there without weight).
+Peers, each its own row:
+
+- every op: the plain expression written out in torch (Megatron's and Hugging Face's unfused fallbacks), with
+  autograd for the backward;
+- rms_norm also: ``torch.nn.functional.rms_norm`` (what ``torch.nn.RMSNorm`` and Megatron's non-TE path run),
+  and, outside quick mode, the plain expression through ``torch.compile`` (inductor, CPU C++ backend,
+  ``dynamic=False``, ``fullgraph=True``). Its graphs (forward+backward and forward-only) are compiled by an
+  untimed call of each before any round, and dynamo is set to fail rather than recompile while timing, so no
+  compile time lands in a round; the compile time is a Note, with inductor's FX graph cache hits and misses
+  (the cache is left as found; the first case's time includes dynamo's and inductor's one-off start-up). If it
+  cannot compile, a Note says why and no row is added.
+
+What is timed: forward+backward (``torch.autograd.grad`` of the output with one fixed upstream gradient, so no
+gradient accumulation pass) and, separately, the forward alone under ``no_grad``, on the same tensors, in
+paired rounds with alternating order (:func:`bench.stats.interleaved_rounds`): 8 rounds after 2 warm-up calls
+and one untimed probe round (2 rounds after 1 warm-up call and the probe in quick mode); each round's figure is
+the mean of as many calls as the probe says fill ``MIN_ROUND_SECONDS`` for the fastest contender. Every row is
+a kernel timed in isolation. Before timing, each peer is checked to compute devshim's output and gradients
+(``assert_close``, tolerances per dtype in ``MATCH_TOLERANCE``, the absolute one scaled by the largest
+magnitude). Target for every row: devshim no slower than the peer (time ratio <= 1.0).
+
+Sizes: LLaMA-7B-like activations, 4096 tokens x hidden 4096 (swiglu: 2 x 4096 in; rotary: 32 heads of 128),
+and 8192 tokens x hidden 2048 (rms_norm there without weight); fp32 and bf16. About 3.5 minutes on 2 cores with
+inductor's cache warm (about 30 s more cold).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import devshim_kernels as K
 import torch
 import torch.nn.functional as F
 
-from bench.common import Comparison, Result, time_min_interleaved
+from bench.common import Comparison, Note, Result
+from bench.kernel_calls import forward_backward, forward_only, outputs_and_gradients
+from bench.stats import interleaved_rounds
 
 Tensor = torch.Tensor
+Make = Callable[[torch.dtype], tuple[tuple[Tensor, ...], Callable[..., Tensor], Callable[..., Tensor]]]
+GROUP = "fused_ops"
 EPS = 1e-6
-TARGET = "≥ 1.0× the speed of the plain torch expression"
+TARGET = "no slower than the peer (≥ 1.0× its speed)"
+DEVSHIM, PLAIN, F_RMS_NORM, COMPILED = ("devshim_kernels", "plain torch + autograd", "torch.nn.functional.rms_norm",
+                                        "torch.compile(plain expression), inductor")
+ROUNDS, QUICK_ROUNDS = 8, 2
+WARMUP, QUICK_WARMUP = 2, 1
+# a figure per round of at least this long: far above perf_counter's resolution and a few scheduler ticks; more
+# would only buy the slowest peers extra calls (the full run must stay near 4 minutes on 2 cores)
+MIN_ROUND_SECONDS, QUICK_MIN_ROUND_SECONDS = 0.02, 0.002
+MAX_CALLS = 200
+# devshim accumulates in fp32 and rounds once; the peers may round in between (bf16) or sum in another order
+MATCH_TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
 def plain_rms_norm(x: Tensor, w: Tensor | None = None) -> Tensor:
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
     return normed if w is None else normed * w
+
+
+def functional_rms_norm(x: Tensor, w: Tensor | None = None) -> Tensor:
+    return F.rms_norm(x, (x.shape[-1],), w, EPS)
 
 
 def plain_swiglu(x: Tensor) -> Tensor:
@@ -42,24 +83,24 @@ def plain_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tens
     return x * cos + turned * sin
 
 
-def _cases(quick: bool) -> list[tuple[str, Callable[[torch.dtype], tuple]]]:
+def _cases(quick: bool) -> list[tuple[str, Make]]:
     """(name, make(dtype) -> (inputs, devshim fn, plain fn)) for LLaMA-7B-like and smaller-hidden shapes."""
     (tokens, hidden), (long_tokens, narrow) = ((64, 256), (128, 128)) if quick else ((4096, 4096), (8192, 2048))
     heads, head_dim = hidden // 128 or 1, min(hidden, 128)
 
-    def norm(rows: int, width: int, weighted: bool) -> Callable[[torch.dtype], tuple]:
-        def make(dtype: torch.dtype) -> tuple:
+    def norm(rows: int, width: int, weighted: bool) -> Make:
+        def make(dtype: torch.dtype) -> tuple[tuple[Tensor, ...], Callable[..., Tensor], Callable[..., Tensor]]:
             x = torch.randn(rows, width, dtype=dtype)
             if not weighted:
                 return (x,), lambda x: K.rms_norm(x, None, EPS), plain_rms_norm
             return (x, torch.randn(width, dtype=dtype)), lambda x, w: K.rms_norm(x, w, EPS), plain_rms_norm
         return make
 
-    def glu(rows: int, width: int) -> Callable[[torch.dtype], tuple]:
+    def glu(rows: int, width: int) -> Make:
         return lambda dtype: ((torch.randn(rows, 2 * width, dtype=dtype),), K.swiglu, plain_swiglu)
 
-    def rope(interleaved: bool) -> Callable[[torch.dtype], tuple]:
-        def make(dtype: torch.dtype) -> tuple:
+    def rope(interleaved: bool) -> Make:
+        def make(dtype: torch.dtype) -> tuple[tuple[Tensor, ...], Callable[..., Tensor], Callable[..., Tensor]]:
             x = torch.randn(tokens, 1, heads, head_dim, dtype=dtype)  # SBND, as Megatron applies it
             angles = torch.randn(tokens, 1, 1, head_dim // 2)
             angles = angles.repeat_interleave(2, -1) if interleaved else torch.cat((angles, angles), -1)
@@ -76,30 +117,82 @@ def _cases(quick: bool) -> list[tuple[str, Callable[[torch.dtype], tuple]]]:
             (f"rotary half {rope_size}", rope(False)), (f"rotary interleaved {rope_size}", rope(True))]
 
 
-def _forward(fn: Callable[..., Tensor], inputs: tuple[Tensor, ...]) -> Callable[[], object]:
-    return lambda: fn(*inputs)
+def check_match(ours: Callable[..., Tensor], peer: Callable[..., Tensor], leaves: tuple[Tensor, ...], grad: Tensor,
+                peer_name: str) -> None:
+    """The peer computes devshim's output and gradients, or the ratio compares different work."""
+    tol = MATCH_TOLERANCE[leaves[0].dtype]
+    for what, a, b in outputs_and_gradients(partial(ours, *leaves), partial(peer, *leaves), leaves, grad):
+        scale = max(1.0, b.detach().abs().max().item())
+        torch.testing.assert_close(a, b, atol=tol["atol"] * scale, rtol=tol["rtol"],
+                                   msg=lambda m, what=what: f"{peer_name}, {what}: {m}")
 
 
-def _fwd_bwd(fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], grad: Tensor) -> Callable[[], object]:
-    return lambda: torch.autograd.grad(fn(*inputs), inputs, grad)
+def _time(fns: dict[str, Callable[[], object]], quick: bool) -> dict[str, list[float]]:
+    """Paired rounds whose calls per figure are set by an untimed probe round (which also warms up)."""
+    warmup, rounds = (QUICK_WARMUP, QUICK_ROUNDS) if quick else (WARMUP, ROUNDS)
+    probe = interleaved_rounds(fns, rounds=1, warmup=warmup)
+    fastest = min(figures[0] for figures in probe.values())
+    calls = max(1, min(MAX_CALLS, math.ceil((QUICK_MIN_ROUND_SECONDS if quick else MIN_ROUND_SECONDS) / fastest)))
+    return interleaved_rounds(fns, rounds=rounds, warmup=0, calls=calls)
+
+
+@contextmanager
+def _no_recompiles() -> Iterator[None]:
+    """Any recompilation inside a timed round raises instead of being timed as the compiled peer's speed."""
+    import torch._dynamo
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield
+
+
+def _compiled_peer(name: str, leaves: tuple[Tensor, ...], grad: Tensor) -> tuple[Callable[..., Tensor] | None, Note]:
+    """The plain expression through torch.compile, compiled now for both timed modes, and a Note of the compile
+    time (or of why it could not compile)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()  # each case compiles afresh: earlier cases' graphs must not count towards the recompile limit
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    compiled = torch.compile(plain_rms_norm, dynamic=False, fullgraph=True)
+    start = time.perf_counter()
+    try:
+        torch.autograd.grad(compiled(*leaves), leaves, grad)  # forward+backward graphs
+        with torch.no_grad():
+            compiled(*leaves)  # the forward-only graph, which grad mode's guard keeps apart
+    except Exception as error:  # whatever dynamo or inductor raises, the peer is reported as not compiled
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+        return None, Note(GROUP, f"{name}: torch.compile peer skipped, it did not compile ({reason})", math.nan, "")
+    seconds = time.perf_counter() - start
+    hits = counters["inductor"]["fxgraph_cache_hit"] - hits
+    misses = counters["inductor"]["fxgraph_cache_miss"] - misses
+    return compiled, Note(GROUP, f"{name}: torch.compile time of the plain expression, fwd+bwd and fwd graphs "
+                          f"(inductor FX graph cache: {hits} hits, {misses} misses)", round(seconds, 2), "s")
 
 
 def run(quick: bool = False) -> list[Result]:
     torch.manual_seed(0)
-    repeats, warmup = (2, 1) if quick else (7, 2)
     results: list[Result] = []
     for name, make in _cases(quick):
         for dtype in (torch.float32, torch.bfloat16):
             inputs, ours, plain = make(dtype)
             leaves = tuple(t.requires_grad_() for t in inputs)
             grad = torch.randn_like(plain(*leaves))
-            with torch.no_grad():
-                fwd = time_min_interleaved({"devshim": _forward(ours, leaves), "plain": _forward(plain, leaves)},
-                                           repeats=repeats, warmup=warmup)
-            both = time_min_interleaved({"devshim": _fwd_bwd(ours, leaves, grad),
-                                         "plain": _fwd_bwd(plain, leaves, grad)}, repeats=repeats, warmup=warmup)
             dt = str(dtype).removeprefix("torch.")
+            peers: dict[str, Callable[..., Tensor]] = {PLAIN: plain}
+            if name.startswith("rms_norm"):
+                peers[F_RMS_NORM] = functional_rms_norm
+                if not quick:  # a quick run compiles nothing
+                    compiled, note = _compiled_peer(f"{name} {dt}", leaves, grad)
+                    results.append(note)
+                    if compiled is not None:
+                        peers[COMPILED] = compiled
+            for peer_name, peer in peers.items():
+                check_match(ours, peer, leaves, grad, peer_name)
+            contenders = {DEVSHIM: ours, **peers}
+            with _no_recompiles() if COMPILED in peers else nullcontext():
+                fwd = _time({n: forward_only(partial(fn, *leaves)) for n, fn in contenders.items()}, quick)
+                both = _time({n: forward_backward(partial(fn, *leaves), leaves, grad) for n, fn in contenders.items()},
+                             quick)
             for mode, times in (("fwd+bwd", both), ("fwd", fwd)):
-                results.append(Comparison("fused_ops", f"{name} {dt} {mode}", "devshim_kernels", times["devshim"],
-                                          "plain torch + autograd", times["plain"], 1.0, TARGET))
+                for peer_name in peers:
+                    results.append(Comparison(GROUP, f"{name} {dt} {mode}", DEVSHIM, times[DEVSHIM], peer_name,
+                                              times[peer_name], 1.0, TARGET, kernel_only=True))
     return results

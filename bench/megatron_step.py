@@ -19,8 +19,8 @@ paths are not its contender's. The statistic and the number of rounds were fixed
 - a run trains 8 steps; its figure is rank 0's median ``train_step`` time over steps 3-8 (2 warm-up steps);
 - a round is one run of each contender, ``redirect`` first in even rounds and ``fused`` first in odd ones;
   6 rounds (what fits in about 6 minutes on the 2-vCPU machine);
-- the result is the geometric mean of the 6 paired ratios fused / redirect with the 95% t-interval on their
-  logarithms (``bench.vendor_peer.paired_ratio``, 5 degrees of freedom, t = 2.571);
+- the result is the geometric mean of the 6 paired ratios fused / redirect with its bootstrap 95% interval
+  (:mod:`bench.stats`);
 - target ≤ 0.85×: met if the interval's upper bound is ≤ 0.85, missed if its lower bound is > 0.85,
   otherwise inconclusive.
 
@@ -43,9 +43,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Note, Result, environment_without_devshim, free_port
+from bench.common import Comparison, Note, Result, environment_without_devshim, free_port, largest_relative_difference
 from bench.end_to_end import RANKS, ROOT
-from bench.vendor_peer import PairedComparison, paired_ratio
+from bench.stats import alternating
 
 DRIVER = Path(__file__).resolve().parent / "megatron_step_driver.py"
 ROUNDS, STEPS, WARMUP = 6, 8, 2
@@ -106,7 +106,7 @@ def run(quick: bool = False) -> list[Result]:
     losses: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="devshim-bench-megatron-") as tmp:
         for round_ in range(rounds):
-            for name in ("redirect", "fused")[:: 1 if round_ % 2 == 0 else -1]:
+            for name in alternating(["redirect", "fused"], round_):
                 report = _train(name, sizes, steps, Path(tmp))
                 medians[name].append(statistics.median(report["step_seconds"][warmup:]))
                 rss[name].append(max(r["max_rss_bytes"] for r in report["ranks"]))
@@ -117,23 +117,18 @@ def run(quick: bool = False) -> list[Result]:
                    value=_mib(statistics.median(values[name])), unit="MiB")
               for name in CONTENDERS for label, values in (("RSS (ru_maxrss)", rss),
                                                            ("torch.cuda.max_memory_allocated()", allocated))]
-    loss_diff = max(abs(f - r) / abs(r) for f, r in zip(losses["fused"], losses["redirect"], strict=True))
+    loss_diff = largest_relative_difference(losses["fused"], losses["redirect"])
     if quick:
         return [*(Note(group="megatron_step", name=f"{name}: step time, quick ({shape})",
                        value=statistics.median(medians[name]), unit="s") for name in CONTENDERS), *memory]
-    ratio, low, high = paired_ratio(medians["fused"], medians["redirect"])
-    geomean = {name: statistics.geometric_mean(v) for name, v in medians.items()}
-    step = PairedComparison(
+    step = Comparison(
         group="megatron_step",
-        case=f"TP {sizes['tp']} GPT step, {RANKS} ranks, hidden {sizes['hidden']}, seq {sizes['seq']} (geomean of "
-             f"{rounds} paired ratios, 95% CI {low:.3f}-{high:.3f}×)",
-        subject="fused paths on devshim's kernels", subject_seconds=geomean["fused"],
-        peer="Megatron unfused, CUDA redirect alone", peer_seconds=geomean["redirect"], max_ratio=MAX_RATIO,
-        target=f"≤ {MAX_RATIO:.2f}× (95% CI upper bound)", ci_low=low, ci_high=high,
-        details={"rounds": rounds, "steps": steps, "warmup": warmup, "sizes": sizes, "median_per_run": medians,
-                 "ratio_per_round": [f / r for f, r in zip(medians["fused"], medians["redirect"], strict=True)],
-                 "geomean_ratio": ratio, "max_rss_bytes": rss, "max_memory_allocated": allocated,
-                 "max_loss_rel_diff": loss_diff})
+        case=f"TP {sizes['tp']} GPT step, {RANKS} ranks, hidden {sizes['hidden']}, seq {sizes['seq']}",
+        subject="fused paths on devshim's kernels", subject_rounds=medians["fused"],
+        peer="Megatron unfused, CUDA redirect alone", peer_rounds=medians["redirect"], max_ratio=MAX_RATIO,
+        target=f"≤ {MAX_RATIO:.2f}×",
+        details={"steps": steps, "warmup": warmup, "sizes": sizes, "max_rss_bytes": rss,
+                 "max_memory_allocated": allocated, "max_loss_rel_diff": loss_diff})
     return [step, *memory]
 
 

@@ -38,17 +38,33 @@ def test_every_benchmark_reports_and_none_failed(quick_report):
     assert report["quick"] is True and report["failures"] == {}
     groups = {r["group"] for r in report["comparisons"]} | {n["group"] for n in report["notes"]}
     assert groups >= {"host_adam", "attention", "fused_ops", "import", "end_to_end"}
-    assert f"targets met: {report['targets']['met']}/{report['targets']['judged']}" in stdout
+    targets = report["targets"]
+    assert f"targets: {targets['met']} met, {targets['missed']} missed, {targets['inconclusive']} inconclusive " \
+           f"of {targets['judged']}" in stdout
 
 
-def test_each_comparison_is_the_ratio_of_two_measured_times(quick_report):
+def test_each_comparison_is_the_geometric_mean_of_its_paired_rounds_with_its_interval(quick_report):
     report, _, _ = quick_report
     assert report["comparisons"]
     for result in report["comparisons"]:
-        assert 0 < result["subject_seconds"] < 60 and 0 < result["peer_seconds"] < 60, result
-        assert math.isclose(result["ratio"], result["subject_seconds"] / result["peer_seconds"])
-        assert result["met"] == (result["ratio"] <= result["max_ratio"])
+        subject, peer = result["subject_rounds"], result["peer_rounds"]
+        assert len(subject) == len(peer) == result["rounds"] >= 2, result
+        assert all(0 < s < 60 for s in subject + peer), result
+        ratios = [s / p for s, p in zip(subject, peer, strict=True)]
+        assert math.isclose(result["ratio"], math.prod(ratios) ** (1 / len(ratios)))
+        assert result["ci_low"] <= result["ratio"] <= result["ci_high"]
+        expected = ("met" if result["ci_high"] <= result["max_ratio"] else
+                    "missed" if result["ci_low"] > result["max_ratio"] else "inconclusive")
+        assert result["verdict"] == (expected if result["judged"] else "informational")
         assert result["subject"] != result["peer"] and result["target"]
+
+
+def test_the_target_count_is_the_judged_comparisons_and_nothing_else(quick_report):
+    report, _, _ = quick_report
+    judged = [r for r in report["comparisons"] if r["judged"]]
+    targets = report["targets"]
+    assert targets["judged"] == len(judged) == targets["met"] + targets["missed"] + targets["inconclusive"]
+    assert all(set(note) == {"group", "name", "value", "unit"} for note in report["notes"])  # no verdict on a note
 
 
 def test_the_report_names_the_machine(quick_report):
@@ -62,13 +78,14 @@ def test_a_quick_run_compiles_nothing(quick_report):
 
 
 def test_the_results_render_as_markdown_for_the_performance_doc(quick_report):
-    from bench.report import render
+    from bench.report import tables
 
     report = quick_report[0]
-    text = render(report)
+    text = tables(report)
     for result in report["comparisons"]:
-        assert f"| {result['case']} |" in text and f"{result['ratio']:.3f}×" in text
-    assert f"Targets met: {report['targets']['met']}/{report['targets']['judged']}" in text
+        assert f"| {result['case']}" in text
+        assert f"{result['ratio']:.3f}× ({result['ci_low']:.3f}-{result['ci_high']:.3f})" in text
+    assert f"{report['targets']['met']} met, {report['targets']['missed']} missed" in text
 
 
 def test_the_cuda_redirect_benchmark_measures_both_processes_and_checks_untouched_functions(quick_report):
@@ -77,9 +94,9 @@ def test_the_cuda_redirect_benchmark_measures_both_processes_and_checks_untouche
     in_process = [n for n in notes if ", in one process: added per call, quick" in n["name"]]
     quick = process_pairs + in_process
     assert len(process_pairs) == 4 and len(in_process) == 4, notes
-    assert all(n["unit"] == "µs" and math.isfinite(n["value"]) and n["met"] is None for n in quick)
+    assert all(n["unit"] == "µs" and math.isfinite(n["value"]) for n in quick)
     (untouched,) = [n for n in notes if n["name"].startswith("functions that take no device")]
-    assert untouched["met"] is True and "torch.add" in untouched["name"]
+    assert "torch.add" in untouched["name"] and untouched["unit"] == f"of {untouched['value']:.0f}"
 
 
 def test_the_megatron_step_benchmark_runs_both_contenders_and_reports_their_memory(quick_report):
