@@ -17,7 +17,7 @@ OLDEST_DEEPSPEED := 0.16.0
 OLDEST_VENV ?= .venv-deepspeed-$(OLDEST_DEEPSPEED)
 OLDEST_STAMP := $(OLDEST_VENV)/.devshim-installed
 
-.PHONY: install demo megatron-demo test test-deepspeed-oldest lint bench clean
+.PHONY: install demo megatron-demo test test-deepspeed-oldest lint bench stress clean
 
 install: $(STAMP)
 
@@ -63,8 +63,15 @@ test-deepspeed-oldest: $(OLDEST_STAMP)
 		-k "not npu" $(PYTEST_ARGS)
 
 # ratios against the peers measured in the same run; writes bench/results.json (about 20 minutes)
+# the README's summary and docs/performance.md's tables are then rewritten from bench/results.json
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH_ARGS)
+	$(PY) -m bench.report --write
+
+# the exit stress loop, kept out of CI: short 2-rank jobs, counting ranks that abort after succeeding (the full
+# record in docs/running-at-scale.md is `python -m stress --jobs 200 --control 100`)
+stress: $(STAMP)
+	$(PY) -m stress --jobs $${STRESS_JOBS:-40} --control $${STRESS_CONTROL:-0}
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

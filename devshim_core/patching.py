@@ -9,6 +9,7 @@ whole set. Declaring a patch changes nothing; only :meth:`PatchRegistry.apply` d
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -144,14 +145,20 @@ class Patch(ABC):
 
 @dataclass(frozen=True)
 class SetAttribute(Patch):
-    """Replace ``target`` with ``make(original, device)`` (``original`` is ``None`` if it did not exist; for a
-    class, an attribute inherited from a base counts, and revert removes the override)."""
+    """Replace ``target`` with ``make(original, device)``. For a class, an attribute inherited from a base counts,
+    and revert removes the override.
+
+    A target that does not exist fails the set, naming it: the function a patch wraps has usually moved in a
+    new release, and wrapping nothing would change nothing. ``creates=True`` declares a patch that adds the
+    attribute (``original`` is then ``None``) and removes it on revert.
+    """
 
     name: str
     target: str
     make: Callable[[Any, Device], Any]
     reason: str
-    requires: tuple[Requirement, ...] = ()  # last, with a default: positional declarations keep working
+    requires: tuple[Requirement, ...] = ()  # after the required fields: positional declarations keep working
+    creates: bool = False
 
     def target_description(self) -> str:
         return self.target
@@ -161,7 +168,10 @@ class SetAttribute(Patch):
         original = owner.__dict__.get(attr, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, attr)
         current = original
         if original is _MISSING and isinstance(owner, type):  # inherited: make() wraps what lookups find
-            current = getattr(owner, attr, None)
+            current = getattr(owner, attr, _MISSING)
+        if current is _MISSING and not self.creates:
+            raise AttributeError(f"{getattr(owner, '__name__', owner)!s} has no attribute {attr!r}: the target "
+                                 "moved or was removed")
         replacement = self.make(None if current is _MISSING else current, device)
         setattr(owner, attr, replacement)
 
@@ -238,6 +248,28 @@ class SetEnvironment(Patch):
         kept = sorted(set(self.values) - set(added))
         return undo, f"set {', '.join(sorted(added)) or 'nothing'}" + (f"; kept the user's {', '.join(kept)}" if kept
                                                                          else "")
+
+
+@dataclass(frozen=True)
+class RunAtExit(Patch):
+    """Register ``make(device)`` with :mod:`atexit`; undo unregisters it.
+
+    atexit runs its callbacks last-registered first, so one registered when devshim activates (the first line
+    of a script) runs after the script's own and the frameworks' exit callbacks, and before finalization.
+    """
+
+    name: str
+    make: Callable[[Device], Callable[[], None]]
+    reason: str
+    requires: tuple[Requirement, ...] = ()
+
+    def target_description(self) -> str:
+        return "atexit (interpreter exit, before finalization)"
+
+    def apply(self, device: Device) -> tuple[Undo, str]:
+        callback = self.make(device)
+        atexit.register(callback)
+        return (lambda: atexit.unregister(callback)), f"registered {getattr(callback, '__qualname__', callback)}"
 
 
 class _BlockingFinder(importlib.abc.MetaPathFinder):
@@ -419,6 +451,11 @@ class PatchRegistry:
     def is_applied(self, name: str) -> bool:
         return name in self._applied
 
+    def applied_sets(self) -> list[AppliedPatchSet]:
+        """The applied sets, in the order they were applied."""
+        with self._lock:
+            return list(self._applied.values())
+
     def check(self, patch_set: PatchSet) -> list[str]:
         """Every unmet requirement of ``patch_set`` and of its patches, in declaration order."""
         problems = [_unmet(r, patch_set) for r in patch_set.requires]
@@ -461,7 +498,8 @@ class PatchRegistry:
                     for done in reversed(applied):
                         done.undo()
                     raise PatchError(f"patch {patch.name!r} ({patch.target_description()}) of set "
-                                     f"{patch_set.name!r} failed: {type(exc).__name__}: {exc}. "
+                                     f"{patch_set.name!r} failed: {type(exc).__name__}: {exc}"
+                                     f"{_installed_versions(patch_set, patch)}. "
                                      "Nothing of this set was left applied.") from exc
                 applied.append(AppliedPatch(patch, detail, undo))
             record = AppliedPatchSet(patch_set, applied,
@@ -508,6 +546,16 @@ def _unmet(requirement: Requirement, patch_set: PatchSet, patch: Patch | None = 
     except ValueError as exc:  # a malformed range is a mistake of the declaration: refused like an unmet one
         owner = f"patch set {patch_set.name!r}" if patch is None else f"patch {patch.name!r}"
         return f"{owner} declares an invalid version range: {exc}"
+
+
+def _installed_versions(patch_set: PatchSet, patch: Patch) -> str:
+    """' (deepspeed 0.19.8 installed, for >=0.16,<0.20)': a target that moved is usually a new release's doing."""
+    requirements = [*patch_set.requires, *patch.requires]
+    if not requirements:
+        return ""
+    parts = [f"{name} {next(r for r in requirements if r.distribution == name).installed() or 'not'} installed, "
+             f"for {spec}" for name, spec in _joined_specs(requirements).items()]
+    return f" ({'; '.join(parts)})"
 
 
 def _requirements(patch_set: PatchSet) -> list[Requirement]:

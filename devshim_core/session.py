@@ -37,11 +37,11 @@ def _install_integrations(session: Session) -> None:
         REGISTRY.apply(plugin_set, device)
         session.integrations[plugin_set.name] = f"applied ({len(device.patches)} patches)"
 
-    if device.collectives.init_kwargs:
-        from devshim_core.integrations.torch_distributed import patch_set
+    from devshim_core.integrations.torch_distributed import job_patch_sets
 
-        applied = REGISTRY.apply(patch_set(device), device)
-        session.integrations[applied.patch_set.name] = f"applied ({', '.join(device.collectives.init_kwargs)})"
+    for patch_set, summary in job_patch_sets(device):
+        REGISTRY.apply(patch_set, device)
+        session.integrations[patch_set.name] = f"applied ({summary})"
 
     if device.type == "cuda":
         session.integrations["cuda-redirect"] = "skipped: the selected device is CUDA"

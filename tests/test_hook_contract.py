@@ -268,7 +268,7 @@ def test_collectives_init_kwargs_reach_init_process_group_as_defaults(call_kwarg
 
 
 def test_collectives_init_kwargs_go_only_to_calls_that_choose_the_plugins_backend_or_none():
-    from devshim_core.integrations.torch_distributed import _with_plugin_kwargs
+    from devshim_core.integrations.torch_distributed.plugin_kwargs import _with_plugin_kwargs
 
     calls: list[tuple[tuple, dict]] = []
     with activated_on(PassesInitArguments({"timeout": 77})) as active:
@@ -286,11 +286,12 @@ def test_a_plugin_without_init_kwargs_leaves_init_process_group_alone():
     with activated_on(FakePlugin(priority=1)) as active:
         assert "torch.distributed" not in active.integrations
         assert not REGISTRY.is_applied("torch.distributed")
-        # the CUDA redirect (a set of its own) maps backend='nccl'; no other devshim wrapper is around torch's function
+        # the CUDA redirect maps backend='nccl' and every job checks its ranks agree on the plugin (sets of their
+        # own); no other devshim wrapper is around torch's function
         wrappers = {row["set"] for row in REGISTRY.report() if "init_process_group" in row["target"]}
-        assert wrappers == {"cuda-redirect"}
+        assert wrappers == {"cuda-redirect", "torch.distributed-agreement"}
         for function in (dist.init_process_group, dist.distributed_c10d.init_process_group):
-            assert not hasattr(function.__devshim_original__, "__devshim_original__")
+            assert not hasattr(function.__devshim_original__.__devshim_original__, "__devshim_original__")
 
 
 # -- last: nothing above compiled anything -------------------------------------------------------------------------

@@ -1,47 +1,26 @@
-"""The plugin's extra ``init_process_group`` arguments (``CollectivesSpec.init_kwargs``), handed to torch.
+"""What devshim changes in ``torch.distributed`` for every job, and the plugin's own process-group arguments.
 
-Vendor backends take options that frameworks never pass (Sophgo's ``pg_options`` with the chip map):
-``init_process_group`` calls that choose the plugin's backend, or none, get them as defaults; arguments
-the caller gives win.
+- ``clean_exit``: gloo's worker threads settle before the interpreter finalizes (no abort after success);
+- ``timeouts``: a collective that times out names itself and how to set the timeout;
+- ``agreement``: every rank runs on rank 0's plugin, or ``init_process_group`` says which rank differs;
+- ``plugin_kwargs``: the plugin's extra ``init_process_group`` arguments, when it has any.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any
-
 from devshim_core.device import Device
-from devshim_core.patching import PatchSet, Requirement, SetAttribute
-
-TORCH = Requirement("torch", ">=2.4,<3")
+from devshim_core.patching import PatchSet
 
 
-def _with_plugin_kwargs(original: Callable[..., Any], device: Device) -> Callable[..., Any]:
-    spec = device.collectives
+def job_patch_sets(device: Device) -> list[tuple[PatchSet, str]]:
+    """The sets to apply for ``device``, in order, each with the one-line summary ``devshim info`` shows."""
+    from devshim_core.integrations.torch_distributed import agreement, clean_exit, plugin_kwargs, timeouts
 
-    @functools.wraps(original)
-    def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if backend is None or str(backend).lower() == spec.backend:
-            for key, value in spec.init_kwargs.items():
-                kwargs.setdefault(key, value)
-        return original(backend, *args, **kwargs)
-
-    init_process_group.__devshim_original__ = original  # type: ignore[attr-defined]
-    return init_process_group
-
-
-def patch_set(device: Device) -> PatchSet:
-    make = _with_plugin_kwargs
-    return PatchSet(
-        name="torch.distributed",
-        requires=(TORCH,),
-        reason=f"pass the {device.plugin} plugin's init_process_group arguments "
-               f"({', '.join(device.collectives.init_kwargs)}) to the {device.collectives.backend} backend",
-        patches=(
-            SetAttribute(name="init_process_group", target="torch.distributed.distributed_c10d:init_process_group",
-                         make=make, reason="the backend needs options frameworks do not pass"),
-            SetAttribute(name="init_process_group-reexport", target="torch.distributed:init_process_group",
-                         make=make, reason="torch.distributed re-exports the function; callers use that name"),
-        ),
-    )
+    sets = [
+        (clean_exit.patch_set(device), "gloo workers settle before finalization"),
+        (timeouts.patch_set(device), f"{len(timeouts.COLLECTIVES)} collectives name their timeouts"),
+        (agreement.patch_set(device), "ranks check they share rank 0's plugin"),
+    ]
+    if device.collectives.init_kwargs:  # outermost: the arguments are added before anything else runs
+        sets.append((plugin_kwargs.patch_set(device), ", ".join(device.collectives.init_kwargs)))
+    return sets

@@ -1,0 +1,1 @@
+"""Reliability loops kept out of CI: ``python -m stress`` (``make stress``)."""
