@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from devshim_core.errors import ConfigError, PluginError
+from devshim_core.errors import ConfigError, DeviceSetupError, DevshimError, PluginError
 from devshim_core.host_streams import HostEvent, HostStream, HostStreams
 from devshim_core.patching import Patch
 from devshim_core.plugins import PluginRecord, PluginRegistry
@@ -67,7 +67,7 @@ class Device:
         self.is_available = module.is_available
         self.device_count = module.device_count
         self.current_device = module.current_device
-        self.set_device = module.set_device
+        self._module_set_device = module.set_device
         self.synchronize = module.synchronize
         self.manual_seed = module.manual_seed
         self.manual_seed_all = module.manual_seed_all
@@ -101,6 +101,25 @@ class Device:
     @property
     def plugin(self) -> str:
         return self.info.plugin
+
+    def set_device(self, device: Any) -> None:
+        """The plugin's ``set_device``; a runtime failure becomes a :class:`DeviceSetupError` saying where."""
+        try:
+            self._module_set_device(device)
+        except DevshimError:
+            raise
+        except Exception as exc:
+            raise DeviceSetupError(self._setup_failure(device, exc)) from exc
+
+    def _setup_failure(self, device: Any, exc: Exception) -> str:
+        rank, local = os.environ.get("RANK"), os.environ.get("LOCAL_RANK")
+        where = f"rank {rank} (local rank {local})" if rank is not None else f"process {os.getpid()}"
+        variables = self.collectives.visible_devices_envs
+        visible = (f" {variables[0]}={os.environ[variables[0]]!r} in this process." if variables and
+                   variables[0] in os.environ else f" {variables[0]} is unset." if variables else "")
+        return (f"{where}: the {self.plugin} plugin's runtime could not set up {self.type} device {device!r}: "
+                f"{type(exc).__name__}: {exc}. This process sees {self.device_count()} {self.type} device(s);"
+                f"{visible} Check that device with the vendor's tools, or leave it out of the job.")
 
     def torch_device(self, index: int | None = None) -> torch.device:
         if index is None or self.type == "cpu":  # a CPU has one torch device whatever the rank

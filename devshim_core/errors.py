@@ -31,3 +31,8 @@ class KernelCallError(DevshimError):
         super().__init__(message)
         self.tensor = tensor
         self.located = located
+
+
+class DeviceSetupError(DevshimError):
+    """The vendor runtime failed to set up the device a process asked for; the message names the process's rank,
+    the device, the plugin and the visible-devices variable, with the runtime's own error chained."""

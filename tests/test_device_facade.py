@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from devshim_core.device import build_device
-from devshim_core.errors import ConfigError, PluginError
+from devshim_core.errors import ConfigError, DeviceSetupError, PluginError
 from devshim_core.plugins import discover
 from devshim_core.records import DEVICE_MODULE_API, DeviceReport, DeviceTraits
 from devshim_core.selection import select
@@ -23,13 +23,31 @@ def cpu_device():
 
 
 def test_facade_operations_are_the_plugins_functions_bound_once(cpu_device):
-    """No dispatch layer: calling the facade calls the plugin's function object itself."""
+    """No dispatch layer: calling the facade calls the plugin's function object itself. ``set_device`` alone is
+    checked, so that a runtime failure says which rank and device (next spec)."""
     module = cpu_device.module
-    for name in ("device_count", "current_device", "set_device", "synchronize", "manual_seed", "get_rng_state",
-                 "set_rng_state"):
+    for name in ("device_count", "current_device", "synchronize", "manual_seed", "get_rng_state", "set_rng_state"):
         assert getattr(cpu_device, name) == getattr(module, name), name
     assert cpu_device.memory_allocated is cpu_device.allocator.memory_allocated
     assert cpu_device.empty_cache is cpu_device.allocator.empty_cache
+
+
+def test_a_runtime_failure_setting_the_device_names_the_rank_the_device_the_plugin_and_chains_the_cause(
+        cpu_device, monkeypatch):
+    runtime_error = RuntimeError("aclrtSetDevice failed, error code 507033")
+
+    def failing_set_device(device):
+        raise runtime_error
+
+    monkeypatch.setattr(cpu_device, "_module_set_device", failing_set_device)  # the vendor runtime's answer
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(DeviceSetupError) as raised:
+        cpu_device.set_device(1)
+    assert str(raised.value).startswith(
+        "rank 3 (local rank 1): the cpu_reference plugin's runtime could not set up cpu device 1: RuntimeError: "
+        "aclrtSetDevice failed, error code 507033. This process sees ")
+    assert raised.value.__cause__ is runtime_error
 
 
 def test_cpu_facade_reports_the_plugin_and_why_it_was_chosen(cpu_device):

@@ -76,8 +76,9 @@ def patch_set(*patches, name="test-set", requires=()) -> PatchSet:
     return PatchSet(name=name, requires=requires, patches=patches, reason="exercise the registry")
 
 
-def set_attribute(target: str, make, name: str = "swap", requires=()) -> SetAttribute:
-    return SetAttribute(name=name, target=target, make=make, reason=f"why {name} exists", requires=requires)
+def set_attribute(target: str, make, name: str = "swap", requires=(), creates: bool = False) -> SetAttribute:
+    return SetAttribute(name=name, target=target, make=make, reason=f"why {name} exists", requires=requires,
+                        creates=creates)
 
 
 # -- applying and reverting ----------------------------------------------------------------------
@@ -113,11 +114,12 @@ def test_reverting_restores_the_very_same_original_object(make_module, registry)
     assert registry.revert("test-set") is False  # nothing left to revert
 
 
-def test_an_attribute_that_did_not_exist_is_created_and_removed_again(make_module, registry):
+def test_an_attribute_declared_as_created_is_created_and_removed_again(make_module, registry):
     module = make_module()
     seen = []
     registry.apply(patch_set(set_attribute(f"{module.__name__}:added",
-                                           lambda old, device: seen.append(old) or replacement)), DEVICE)
+                                           lambda old, device: seen.append(old) or replacement, creates=True)),
+                   DEVICE)
     assert module.added is replacement and seen == [None]
     registry.revert("test-set")
     assert not hasattr(module, "added")
@@ -205,6 +207,23 @@ def test_a_patch_whose_target_is_missing_fails_the_set_too(make_module, registry
     with pytest.raises(PatchError, match=r"patch 'second' .* failed: AttributeError: .*NoSuchClass"):
         registry.apply(declared, DEVICE)
     assert module.f is original
+
+
+def test_a_target_that_moved_in_a_new_release_names_the_target_and_the_installed_version_and_applies_nothing(
+        make_module, registry):
+    """A test double of a framework module whose function was renamed by its next release."""
+    framework = make_module(kept=original, step_v2=original)  # the release renamed step to step_v2
+    declared = patch_set(set_attribute(f"{framework.__name__}:kept", replace_with(replacement), name="first"),
+                         set_attribute(f"{framework.__name__}:step", replace_with(replacement), name="moved"),
+                         requires=(Requirement("pluggy", f">={PLUGGY_MAJOR}"),))
+    with pytest.raises(PatchError) as excinfo:
+        registry.apply(declared, DEVICE)
+    assert str(excinfo.value) == (
+        f"patch 'moved' ({framework.__name__}:step) of set 'test-set' failed: AttributeError: {framework.__name__} "
+        f"has no attribute 'step': the target moved or was removed (pluggy {PLUGGY} installed, for "
+        f">={PLUGGY_MAJOR}). Nothing of this set was left applied.")
+    assert framework.kept is original and framework.step_v2 is original and not hasattr(framework, "step")
+    assert not registry.is_applied("test-set") and registry.report() == []
 
 
 def test_a_failed_set_can_be_applied_later_once_its_problem_is_gone(make_module, registry):

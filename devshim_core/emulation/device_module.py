@@ -9,6 +9,7 @@ copies issued on a side stream land only when something waits for that stream.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -53,6 +54,19 @@ class _Generators(Sequence):
         return self._extension.default_generator(index)
 
 
+FAULTY_DEVICES_ENV = "DEVSHIM_EMULATE_FAULTY_DEVICES"
+
+
+def _faulty_devices() -> frozenset[int]:
+    """Device indices whose set-up fails in this process (``DEVSHIM_EMULATE_FAULTY_DEVICES=1,3``): for testing
+    how a job fails when one rank's device is broken."""
+    raw = os.environ.get(FAULTY_DEVICES_ENV, "")
+    parts = [part.strip() for part in raw.split(",") if part.strip()]
+    if not all(part.isdigit() for part in parts):
+        raise ValueError(f"{FAULTY_DEVICES_ENV}={raw!r} must be a comma-separated list of device indices")
+    return frozenset(int(part) for part in parts)
+
+
 class EmulatedDeviceModule(ModuleType):
     """``torch.<name>`` for the emulated device ``name``."""
 
@@ -63,6 +77,7 @@ class EmulatedDeviceModule(ModuleType):
         self._device_name = device_name
         self._bf16 = bf16
         self._memory_fraction: dict[int, float] = {}
+        self._faulty = _faulty_devices()
         self.default_generators = _Generators(extension)
         module = self
 
@@ -117,6 +132,9 @@ class EmulatedDeviceModule(ModuleType):
 
     def set_device(self, device: Any) -> None:
         index = _index(device, -1)
+        if index in self._faulty:  # as a vendor runtime fails to open a broken or busy device
+            raise RuntimeError(f"{self.type} runtime: initializing device {index} failed (emulated fault: "
+                               f"{FAULTY_DEVICES_ENV}={os.environ.get(FAULTY_DEVICES_ENV, '')!r})")
         if index >= 0:  # set_device("npu") names no index: keep the current one, as torch.cuda does
             self._ext.set_device(index)
 

@@ -155,7 +155,7 @@ def core_patches(device: Device) -> list[Patch]:
         SetAttribute(name="moe-router-gemm", target=f"{MOE_UTILS}:te_general_gemm",
                      make=lambda original, d: original,  # None when TE is absent: the router's torch path
                      reason="megatron-core 0.16.1 defines te_general_gemm only when TE imports; the MoE router then "
-                            "raises NameError instead of taking its torch.mm path"),
+                            "raises NameError instead of taking its torch.mm path", creates=True),
         SetAttribute(name="moe-splits-to-host", target=f"{MOE_UTILS}:maybe_move_tensor_to_cpu",
                      make=_move_to_host,
                      reason="the all-to-all token dispatcher moves split sizes to the host only if `.is_cuda`; on "

@@ -1,0 +1,57 @@
+"""Spec: devshim never unpickles arbitrary objects: every ``torch.load`` in its code passes ``weights_only=True``.
+
+A checkpoint is data a user may have downloaded; ``weights_only=False`` (the default before torch 2.6) runs any
+code a crafted file carries. The scan reads devshim's own sources (the core, the kernels, the plugins) with
+``ast``, so a call written any way (``torch.load``, ``load`` imported from torch, through an alias) is seen.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from plugin_fixtures import PROJECT_DIR
+
+SOURCES = [PROJECT_DIR / "devshim_core", PROJECT_DIR / "kernels", PROJECT_DIR / "plugins"]
+
+
+def torch_loads(tree: ast.AST) -> list[ast.Call]:
+    """Calls of torch.load, however the module or the function was imported."""
+    torch_names, load_names = {"torch"}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            torch_names |= {a.asname or a.name for a in node.names if a.name == "torch"}
+        elif isinstance(node, ast.ImportFrom) and node.module in ("torch", "torch.serialization"):
+            load_names |= {a.asname or a.name for a in node.names if a.name == "load"}
+    calls = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if (isinstance(func, ast.Attribute) and func.attr == "load" and isinstance(func.value, ast.Name)
+                and func.value.id in torch_names) or (isinstance(func, ast.Name) and func.id in load_names):
+            calls.append(node)
+    return calls
+
+
+def weights_only(call: ast.Call) -> bool:
+    return any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+               for k in call.keywords)
+
+
+def test_the_scan_sees_every_spelling_of_a_torch_load():
+    code = ("import torch\nimport torch as t\nfrom torch import load\nfrom torch.serialization import load as L\n"
+            "torch.load(f)\nt.load(f, weights_only=True)\nload(f)\nL(f, weights_only=False)\njson.load(f)\n")
+    calls = torch_loads(ast.parse(code))
+    assert [(c.lineno, weights_only(c)) for c in calls] == [(5, False), (6, True), (7, False), (8, False)]
+
+
+def test_every_torch_load_in_devshim_loads_weights_only():
+    unsafe = []
+    for root in SOURCES:
+        for path in root.rglob("*.py"):
+            if ".venv" in path.parts or "build" in path.parts:
+                continue
+            for call in torch_loads(ast.parse(path.read_text(), filename=str(path))):
+                if not weights_only(call):
+                    unsafe.append(f"{path.relative_to(PROJECT_DIR)}:{call.lineno}")
+    assert unsafe == [], f"torch.load without weights_only=True: {unsafe}"
