@@ -12,7 +12,7 @@ import site
 from pathlib import Path
 
 import pytest
-from plugin_fixtures import PROJECT_DIR, PYTHON, Background, clean_env, run
+from plugin_fixtures import PROJECT_DIR, PYTHON, Background, checked_json, clean_env, run
 
 ACCELERATOR_OF_AN_UNMODIFIED_SCRIPT = """\
 import sys
@@ -90,6 +90,71 @@ def test_without_devshim_auto_devshim_is_not_imported_at_all(value):
     result = run([PYTHON, "-c", "import sys; print(sorted(m for m in sys.modules if m.startswith('devshim')))"], env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+PTH_LINE_UNDER_WATCH = """\
+import json, os, sys
+class Watched(dict):
+    read = []
+    def get(self, key, default=None):
+        self.read.append(key)
+        return super().get(key, default)
+    def __getitem__(self, key):
+        self.read.append(key)
+        return super().__getitem__(key)
+    def __contains__(self, key):
+        self.read.append(key)
+        return super().__contains__(key)
+before = set(sys.modules)
+os.environ = Watched(os.environ)
+exec(open(sys.argv[1]).read())
+print(json.dumps({"read": Watched.read, "imported": sorted(set(sys.modules) - before)}))
+"""
+
+
+def test_with_devshim_auto_unset_the_startup_line_reads_that_one_variable_and_imports_nothing():
+    pth = PROJECT_DIR / "build_support" / "devshim-auto.pth"
+    assert len(pth.read_text().splitlines()) == 1
+    report = checked_json(run([PYTHON, "-S", "-c", PTH_LINE_UNDER_WATCH, pth], clean_env()))
+    assert report == {"read": ["DEVSHIM_AUTO"], "imported": []}
+
+
+def test_python_x_importtime_shows_the_installed_startup_file_importing_nothing_without_devshim_auto():
+    """The installed file, processed by ``site`` as at start-up, against ``site`` processing nothing (``-S``
+    keeps the other .pth files, such as the editable installs' finders, out of both runs)."""
+    [site_packages] = [d for d in site.getsitepackages() if (Path(d) / "devshim-auto.pth").exists()]
+
+    def imported(code: str) -> set[str]:
+        result = run([PYTHON, "-S", "-X", "importtime", "-c", code], clean_env())
+        assert result.returncode == 0, result.stderr
+        return {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:") and "imported package" not in line}
+
+    baseline = imported("import site")
+    with_the_file = imported(f"import site; site.addpackage({site_packages!r}, 'devshim-auto.pth', set())")
+    assert "site" in baseline
+    assert with_the_file - baseline == set()
+
+
+def test_devshim_emulate_reaches_a_process_that_imports_torch_but_never_devshim():
+    script = ("import importlib.util, sys; import torch; "
+              "print(importlib.util.find_spec('torch_npu') is not None, "
+              "sorted(m for m in sys.modules if m.startswith('devshim_core'))[:1])")
+    emulated = run([PYTHON, "-c", script], clean_env(DEVSHIM_EMULATE="ascend"))
+    assert emulated.returncode == 0, emulated.stderr
+    assert emulated.stdout.split()[0] == "True"  # the simulated SDK, installed by torch's backend autoload
+    plain = run([PYTHON, "-c", script], clean_env())
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.strip() == "False []"  # unset: import torch imports nothing of devshim_core
+    off = run([PYTHON, "-c", script], clean_env(DEVSHIM_EMULATE="ascend", TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    assert off.stdout.split()[0] == "False"  # PyTorch's own switch turns the autoload off
+
+
+def test_a_bad_devshim_emulate_never_breaks_import_torch():
+    result = run([PYTHON, "-c", "import torch; print('ok')"], clean_env(DEVSHIM_EMULATE="nvidia"))
+    assert result.returncode == 0 and result.stdout.strip() == "ok"
+    assert result.stderr.startswith("devshim: DEVSHIM_EMULATE is set but the simulated SDK was not installed: "
+                                    "EmulationError: DEVSHIM_EMULATE='nvidia' names no emulated vendor")
 
 
 def test_importing_devshim_core_or_any_module_but_auto_patches_nothing(started):

@@ -10,17 +10,20 @@ import torch
 
 from devshim_core.errors import ConfigError
 
+VISIBLE_DEVICES_ENV = "DEVSHIM_CPU_VISIBLE_DEVICES"
+
 
 def configured_device_count() -> tuple[int, str]:
-    """How many device slots the CPU offers, and where that number came from."""
+    """How many device slots the CPU offers, and where that number came from (``DEVSHIM_CPU_DEVICE_COUNT`` is the
+    node's count; the visible-devices variable narrows what one process sees: :meth:`CpuDeviceModule.device_count`)."""
     raw = os.environ.get("DEVSHIM_CPU_DEVICE_COUNT", "").strip()
     if raw:
         if not raw.isdigit() or int(raw) < 1:
             raise ConfigError(f"DEVSHIM_CPU_DEVICE_COUNT={raw!r} must be a positive integer (ranks per host).")
         return int(raw), "DEVSHIM_CPU_DEVICE_COUNT"
-    visible = os.environ.get("DEVSHIM_CPU_VISIBLE_DEVICES", "").strip()
+    visible = os.environ.get(VISIBLE_DEVICES_ENV, "").strip()
     if visible:
-        return len([v for v in visible.split(",") if v.strip()]), "DEVSHIM_CPU_VISIBLE_DEVICES"
+        return len([v for v in visible.split(",") if v.strip()]), VISIBLE_DEVICES_ENV
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         value = os.environ.get(name, "")
         if value.isdigit() and int(value) > 0:
@@ -61,7 +64,10 @@ class CpuDeviceModule:
         return True
 
     def device_count(self) -> int:
-        return self._count
+        # read at each call, as CUDA reads CUDA_VISIBLE_DEVICES lazily: the deepspeed launcher deletes the variable
+        # (turning it into --include) and then sizes the node's pool with the full count
+        visible = os.environ.get(VISIBLE_DEVICES_ENV, "").strip()
+        return len([v for v in visible.split(",") if v.strip()]) if visible else self._count
 
     def current_device(self) -> int:
         return _local_rank() if self._current is None else self._current
