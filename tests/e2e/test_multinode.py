@@ -178,17 +178,36 @@ def torchrun_c10d_two_nodes(platform: Platform, workdir: Path) -> Launch:
 
 # what the user asks the deepspeed launcher for on a node of 2 devices: (launcher arguments, launcher variables,
 # the device the one rank must get)
-FILTERS: dict[str, tuple[list[str], dict[str, str], int]] = {
-    "include": (["--include", "localhost:1"], {}, 1),
-    "exclude": (["--exclude", "localhost:0"], {}, 1),
-    "num_gpus": (["--num_gpus", "1"], {}, 0),
-    "visible_devices": ([], {CPU.visible_devices_env: "1"}, 1),
+FILTERS: dict[str, tuple[list[str], bool, int]] = {  # (launcher arguments, visible-devices variable set, device)
+    "include": (["--include", "localhost:1"], False, 1),
+    "exclude": (["--exclude", "localhost:0"], False, 1),
+    "num_gpus": (["--num_gpus", "1"], False, 0),
+    "visible_devices": ([], True, 1),
 }
+FILTERED = [f"{platform.id}_deepspeed_{name}" for platform in (CPU, ASCEND) for name in FILTERS]
+# the emulated npu fixes its device count when it comes up, at devshim's activation in the launcher process: the
+# launcher's ASCEND_RT_VISIBLE_DEVICES=1 makes that count 1, and DeepSpeed's runner, which then deletes the variable
+# to turn it into --include localhost:1, finds one slot (CUDA counts lazily, after the deletion)
+EMULATED_COUNT_AT_BRING_UP = pytest.mark.xfail(strict=True, reason=(
+    "the emulated npu counts its devices once, when devshim activates in the launcher: with "
+    "ASCEND_RT_VISIBLE_DEVICES=1 on the launcher, DeepSpeed's runner finds 1 slot and refuses --include localhost:1"))
 
 
-def deepspeed_filtered(name: str, workdir: Path) -> Launch:
-    launcher_args, launcher_env, _ = FILTERS[name]
-    env = CPU.job_env({**LOOPBACK, "DEVSHIM_AUTO": "1", **CPU.two_devices_env, **launcher_env})
+def filtered_params() -> list[Any]:
+    return [pytest.param(name, id=name.replace("_deepspeed_", "-"),
+                         marks=[EMULATED_COUNT_AT_BRING_UP] if name == "npu_deepspeed_visible_devices" else [])
+            for name in FILTERED]
+
+
+def platform_of(name: str) -> Platform:
+    return ASCEND if name.startswith(f"{ASCEND.id}_") else CPU
+
+
+def deepspeed_filtered(platform: Platform, name: str, workdir: Path) -> Launch:
+    launcher_args, visible, device = FILTERS[name]
+    launcher_env = {platform.visible_devices_env: str(device)} if visible else {}
+    env = platform.job_env({**LOOPBACK, "DEVSHIM_AUTO": "1", **platform.two_devices_env,
+                            "DEVSHIM_PLUGIN": platform.plugin, **launcher_env})
     return Launch([run_job("deepspeed", ARGS, workdir, env=env, launcher_args=launcher_args)], workdir)
 
 
@@ -255,9 +274,10 @@ JOBS: dict[str, Callable[[Path], Launch]] = {
     "cpu_one_node": partial(one_node, CPU),
     "npu_one_node": partial(one_node, ASCEND),
     "cpu_deepspeed_two_nodes": partial(deepspeed_no_ssh_two_nodes, CPU),
+    "npu_deepspeed_two_nodes": partial(deepspeed_no_ssh_two_nodes, ASCEND),
     "cpu_torchrun_two_nodes": partial(torchrun_c10d_two_nodes, CPU),
     "npu_torchrun_two_nodes": partial(torchrun_c10d_two_nodes, ASCEND),
-    **{f"cpu_deepspeed_{name}": partial(deepspeed_filtered, name) for name in FILTERS},
+    **{f"{p.id}_deepspeed_{name}": partial(deepspeed_filtered, p, name) for p in (CPU, ASCEND) for name in FILTERS},
     "cpu_mpirun": mpirun_two_ranks,
     "cpu_deepspeed_openmpi": deepspeed_openmpi,
 }
@@ -362,8 +382,13 @@ def runner_command(launch: Launch, program: str) -> list[str]:
 # -- deepspeed --no_ssh: one launcher per node ----------------------------------------------------
 
 
-def test_deepspeed_no_ssh_launchers_train_as_two_nodes_exactly_like_one_node(cpu_deepspeed_two_nodes: Launch,
-                                                                              cpu_one_node: Launch) -> None:
+@pytest.mark.parametrize(("two_nodes", "one_node_job", "platform"), [
+    ("cpu_deepspeed_two_nodes", "cpu_one_node", CPU),
+    ("npu_deepspeed_two_nodes", "npu_one_node", ASCEND),
+], ids=["cpu", "npu"])
+def test_deepspeed_no_ssh_launchers_train_as_two_nodes_exactly_like_one_node(jobs: Jobs, two_nodes: str,
+                                                                              one_node_job: str,
+                                                                              platform: Platform) -> None:
     """``deepspeed --hostfile H --no_ssh --node_rank k``, started twice at once, is a 2-node job on one machine.
 
     The hostfile names two hosts of one slot each that no resolver knows: with --no_ssh the runner neither checks
@@ -371,10 +396,10 @@ def test_deepspeed_no_ssh_launchers_train_as_two_nodes_exactly_like_one_node(cpu
     node ``--node_rank`` of the hostfile. So node k's one rank is global rank k, local rank 0, on its slot 0,
     and the world of 2 trains exactly as one node of 2 ranks.
     """
-    launch = cpu_deepspeed_two_nodes
+    launch = jobs.get(two_nodes)
     report = launch.report()
 
-    assert_one_plugin(launch, report, CPU, world=2)
+    assert_one_plugin(launch, report, platform, world=2)
     for node_rank, (node, host) in enumerate(zip(launch.nodes, HOSTS, strict=True)):
         assert f"WORLD INFO DICT: {{'{HOSTS[0]}': [0], '{HOSTS[1]}': [0]}}" in node.output, launch.tail()
         assert f"nnodes=2, num_local_procs=1, node_rank={node_rank}" in node.output, launch.tail()
@@ -384,9 +409,9 @@ def test_deepspeed_no_ssh_launchers_train_as_two_nodes_exactly_like_one_node(cpu
                                                                                           str(node_rank), "2"), env
         assert (env["MASTER_ADDR"], env["WORLD_SIZE"]) == ("127.0.0.1", "2"), env
         rank = report["ranks"][node_rank]
-        assert rank["local_rank"] == 0 and rank["visible_devices"] == {CPU.visible_devices_env: "0"}, rank
-        assert_on_device(rank, CPU, 0, launch)
-    assert_same_losses(launch, cpu_one_node, "2 deepspeed --no_ssh nodes x 1 rank")
+        assert rank["local_rank"] == 0 and rank["visible_devices"] == {platform.visible_devices_env: "0"}, rank
+        assert_on_device(rank, platform, 0, launch)
+    assert_same_losses(launch, jobs.get(one_node_job), f"2 deepspeed --no_ssh nodes x 1 rank on {platform.id}")
 
 
 def test_deepspeed_no_ssh_ranks_get_their_own_launchers_environment_and_no_deepspeed_env(
@@ -449,7 +474,7 @@ def test_torchrun_c10d_two_nodes_train_exactly_like_one_node(jobs: Jobs, two_nod
 # -- the deepspeed launcher's resource filters on one node of 2 devices ----------------------------
 
 
-@pytest.mark.parametrize("filtered", [f"cpu_deepspeed_{name}" for name in FILTERS], ids=list(FILTERS))
+@pytest.mark.parametrize("filtered", filtered_params())
 def test_deepspeed_resource_filter_runs_the_rank_on_the_device_the_user_asked_for(jobs: Jobs, filtered: str) -> None:
     """``--include localhost:1``, ``--exclude localhost:0``, ``--num_gpus 1`` or DEVSHIM_CPU_VISIBLE_DEVICES=1
     (which the runner turns into ``--include localhost:1``) on a node of 2 devices start one rank, on the device
@@ -457,24 +482,26 @@ def test_deepspeed_resource_filter_runs_the_rank_on_the_device_the_user_asked_fo
     device (the accelerator's ``visible_devices_envs()``), and the rank knows it as its device 0. On whichever
     device, the one rank computes exactly what it computes on device 0 (the ``--num_gpus 1`` launch).
     """
-    name = filtered.removeprefix("cpu_deepspeed_")
+    platform = platform_of(filtered)
+    name = filtered.removeprefix(f"{platform.id}_deepspeed_")
     device = FILTERS[name][2]
     launch = jobs.get(filtered)
     report = launch.report()
 
-    assert_one_plugin(launch, report, CPU, world=1)
+    assert_one_plugin(launch, report, platform, world=1)
     assert f"WORLD INFO DICT: {{'localhost': [{device}]}}" in launch.output, launch.tail()
-    assert f"Setting {CPU.visible_devices_env}={device}" in launch.output, launch.tail()
+    assert f"Setting {platform.visible_devices_env}={device}" in launch.output, launch.tail()
     if name == "visible_devices":
         assert f"Detected VISIBLE_DEVICES={device}: setting --include=localhost:{device}" in launch.output
     rank = report["ranks"][0]
-    assert rank["visible_devices"] == {CPU.visible_devices_env: str(device)}, rank
+    assert rank["visible_devices"] == {platform.visible_devices_env: str(device)}, rank
     assert rank["local_rank"] == 0, rank
-    assert_on_device(rank, CPU, 0, launch)
-    assert_same_losses(launch, jobs.get("cpu_deepspeed_num_gpus"), f"one rank on device {device} ({name})")
+    assert_on_device(rank, platform, 0, launch)
+    assert_same_losses(launch, jobs.get(f"{platform.id}_deepspeed_num_gpus"),
+                       f"one rank on {platform.id} device {device} ({name})")
 
 
-@pytest.mark.parametrize("filtered", [f"cpu_deepspeed_{name}" for name in FILTERS], ids=list(FILTERS))
+@pytest.mark.parametrize("filtered", filtered_params())
 def test_a_filtered_rank_counts_only_the_devices_its_launcher_made_visible(jobs: Jobs, filtered: str) -> None:
     """The rank's ``device_count()`` is the number of devices its visible-devices variable lists: 1 here."""
     rank = jobs.get(filtered).report()["ranks"][0]

@@ -141,7 +141,8 @@ def core_patches(device: Device) -> list[Patch]:
         SetAttribute(name="grad-accum-fusion-module", target=f"{LAYERS}:fused_weight_gradient_mlp_cuda",
                      make=_wgrad_module,
                      reason="gradient_accumulation_fusion calls this module; it runs the plugin's wgrad_accumulate "
-                            "(bound here too when Megatron was imported before devshim)"),
+                            "(bound here too when Megatron was imported before devshim)",
+                     creates=True),  # absent when Megatron was imported first: its `import` of the module failed
         SetAttribute(name="grad-accum-fusion-available", target=f"{LAYERS}:_grad_accum_fusion_available",
                      make=lambda original, d: True if has_wgrad else original,
                      reason="gradient_accumulation_fusion is available exactly when the plugin provides "
