@@ -39,7 +39,9 @@ def _install_integrations(session: Session) -> None:
 
     from devshim_core.integrations.torch_distributed import job_patch_sets
 
-    for patch_set, summary in job_patch_sets(device):
+    if not settings.patch_distributed:
+        session.integrations["distributed"] = "skipped: DEVSHIM_PATCH_DISTRIBUTED=0"
+    for patch_set, summary in job_patch_sets(device, job_level=settings.patch_distributed):
         REGISTRY.apply(patch_set, device)
         session.integrations[patch_set.name] = f"applied ({summary})"
 

@@ -53,6 +53,7 @@ class Settings:
     patch_deepspeed: bool = True  # DEVSHIM_PATCH_DEEPSPEED
     patch_megatron: bool = True  # DEVSHIM_PATCH_MEGATRON
     redirect_cuda: bool = True  # DEVSHIM_REDIRECT_CUDA (only ever applied when the device is not CUDA)
+    patch_distributed: bool = True  # DEVSHIM_PATCH_DISTRIBUTED: clean exits, named timeouts, plugin agreement
     emulate: str | None = None  # DEVSHIM_EMULATE: the vendor whose simulated SDK and emulated device to use
 
     @classmethod
@@ -72,6 +73,7 @@ class Settings:
             patch_deepspeed=parse_bool(env, "DEVSHIM_PATCH_DEEPSPEED", True),
             patch_megatron=parse_bool(env, "DEVSHIM_PATCH_MEGATRON", True),
             redirect_cuda=parse_bool(env, "DEVSHIM_REDIRECT_CUDA", True),
+            patch_distributed=parse_bool(env, "DEVSHIM_PATCH_DISTRIBUTED", True),
             emulate=_emulated_vendor(env),
         )
         if forced is not None and forced in settings.disabled:

@@ -23,7 +23,8 @@ COMMANDS = {
     "plugins --json": ([DEVSHIM_SCRIPT, "plugins", "--json"], clean_env()),
     "python -m devshim_core plugins --json": ([PYTHON, "-m", "devshim_core", "plugins", "--json"], clean_env()),
     "info, every integration off": ([DEVSHIM_SCRIPT, "info"], clean_env(
-        DEVSHIM_PATCH_DEEPSPEED="0", DEVSHIM_REDIRECT_CUDA="0", DEVSHIM_PATCH_MEGATRON="0")),
+        DEVSHIM_PATCH_DEEPSPEED="0", DEVSHIM_REDIRECT_CUDA="0", DEVSHIM_PATCH_MEGATRON="0",
+        DEVSHIM_PATCH_DISTRIBUTED="0")),
     "plugins, DEVSHIM_PLUGIN=nvidia": ([DEVSHIM_SCRIPT, "plugins"], clean_env(DEVSHIM_PLUGIN="nvidia")),
     "info --json, DEVSHIM_PLUGIN=nvidia": ([DEVSHIM_SCRIPT, "info", "--json"], clean_env(DEVSHIM_PLUGIN="nvidia")),
     "plugins --json, DEVSHIM_PATCH_DEEPSPEED=maybe": ([DEVSHIM_SCRIPT, "plugins", "--json"],
@@ -130,6 +131,7 @@ def test_info_in_text_form_with_every_integration_switched_off_says_so_and_patch
     assert "deepspeed      skipped: DEVSHIM_PATCH_DEEPSPEED=0" in out
     assert "cuda-redirect  skipped: DEVSHIM_REDIRECT_CUDA=0" in out
     assert "megatron       skipped: DEVSHIM_PATCH_MEGATRON=0" in out
+    assert "distributed    skipped: DEVSHIM_PATCH_DISTRIBUTED=0" in out
     assert out.rstrip().endswith("patches:\n  none")
 
 

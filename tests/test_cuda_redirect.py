@@ -182,7 +182,8 @@ def test_functions_that_take_no_device_are_the_very_same_objects(pristine):
 
 
 def test_devshim_redirect_cuda_0_leaves_torch_cuda_untouched(pristine):
-    with activated({**ENV, "DEVSHIM_REDIRECT_CUDA": "0"}) as active:
+    # the job-level torch.distributed sets wrap init_process_group too: off here, so only the redirect is in question
+    with activated({**ENV, "DEVSHIM_REDIRECT_CUDA": "0", "DEVSHIM_PATCH_DISTRIBUTED": "0"}) as active:
         assert active.integrations["cuda-redirect"] == "skipped: DEVSHIM_REDIRECT_CUDA=0"
         assert not REGISTRY.is_applied("cuda-redirect")
         during = snapshot()

@@ -12,15 +12,19 @@ from devshim_core.device import Device
 from devshim_core.patching import PatchSet
 
 
-def job_patch_sets(device: Device) -> list[tuple[PatchSet, str]]:
-    """The sets to apply for ``device``, in order, each with the one-line summary ``devshim info`` shows."""
+def job_patch_sets(device: Device, job_level: bool = True) -> list[tuple[PatchSet, str]]:
+    """The sets to apply for ``device``, in order, each with the one-line summary ``devshim info`` shows.
+
+    ``job_level=False`` (``DEVSHIM_PATCH_DISTRIBUTED=0``) leaves out all but the plugin's own arguments, which
+    its backend needs to work at all.
+    """
     from devshim_core.integrations.torch_distributed import agreement, clean_exit, plugin_kwargs, timeouts
 
     sets = [
         (clean_exit.patch_set(device), "gloo workers settle before finalization"),
         (timeouts.patch_set(device), f"{len(timeouts.COLLECTIVES)} collectives name their timeouts"),
         (agreement.patch_set(device), "ranks check they share rank 0's plugin"),
-    ]
+    ] if job_level else []
     if device.collectives.init_kwargs:  # outermost: the arguments are added before anything else runs
         sets.append((plugin_kwargs.patch_set(device), ", ".join(device.collectives.init_kwargs)))
     return sets
