@@ -162,12 +162,14 @@ def test_the_facade_and_deepspeed_call_the_vendor_modules_own_stream_and_event_a
     assert dev.traits.streams is True
     assert dev.Stream is mod.Stream is vendor_module.Stream
     assert dev.Event is mod.Event is vendor_module.Event
-    # (the facade's stream() wraps the module's in a re-enterable context: the next tests enter it)
-    for name in ("current_stream", "default_stream", "synchronize", "set_device", "current_device",
+    # (the facade's stream() wraps the module's in a re-enterable context: the next tests enter it; set_device
+    # wraps the module's so that a runtime failure names the rank and device)
+    for name in ("current_stream", "default_stream", "synchronize", "current_device",
                  "manual_seed", "get_rng_state", "set_rng_state"):
         bound = getattr(dev, name)
         assert bound == getattr(mod, name), f"facade {name} is not {DEVICE_TYPE}'s own"
         assert getattr(bound, "__self__", None) is mod, name
+    assert dev._module_set_device == mod.set_device and dev._module_set_device.__self__ is mod
     assert acc.Stream is mod.Stream and acc.Event is mod.Event
     assert acc.current_stream() == mod.current_stream()
 
@@ -552,10 +554,11 @@ def test_on_ascend_no_torch_distributed_patch_is_applied_and_hccl_gets_no_extra_
     assert not active.device.collectives.init_kwargs
     assert "torch.distributed" not in active.integrations
     assert all(p["set"] != "torch.distributed" for p in REGISTRY.report())
-    # only the CUDA redirect (backend='nccl' -> hccl) wraps torch's function, one level deep
-    assert {p["set"] for p in REGISTRY.report() if "init_process_group" in p["target"]} == {"cuda-redirect"}
+    # only the CUDA redirect (backend='nccl' -> hccl) and the job's plugin check wrap torch's function, two deep
+    assert {p["set"] for p in REGISTRY.report() if "init_process_group" in p["target"]} == {
+        "cuda-redirect", "torch.distributed-agreement"}
     for function in (dist.init_process_group, dist.distributed_c10d.init_process_group):
-        assert not hasattr(function.__devshim_original__, "__devshim_original__")
+        assert not hasattr(function.__devshim_original__.__devshim_original__, "__devshim_original__")
     with single_rank_group() as backend:
         assert dist.get_backend() == "hccl"
         assert backend.options is None
