@@ -250,3 +250,25 @@ def test_a_second_process_loads_the_built_emulator_without_compiling_it_again(lo
     assert second["mtime_ns"] == first["mtime_ns"]  # the .so was not rewritten
     assert Path(first["library"]).parent == build.build_directory()
     assert os.path.basename(first["library"]).startswith(build.module_name())
+
+
+LAZY_COUNT = """\
+import json, os
+import torch
+import torch_npu
+counts = [torch.npu.device_count()]
+del os.environ["ASCEND_RT_VISIBLE_DEVICES"]  # as DeepSpeed's runner does before sizing the node
+counts.append(torch.npu.device_count())
+torch.npu.set_device(1)  # the runtime is initialized now
+os.environ["ASCEND_RT_VISIBLE_DEVICES"] = "0"
+counts.append(torch.npu.device_count())
+print(json.dumps(counts))
+"""
+
+
+def test_the_emulated_device_counts_the_visible_devices_until_the_process_first_sets_a_device(started):
+    started["first load"]  # the emulator is built
+    result = run([PYTHON, "-c", LAZY_COUNT], clean_env(DEVSHIM_EMULATE="ascend", DEVSHIM_EMULATE_DEVICES="2",
+                                                       ASCEND_RT_VISIBLE_DEVICES="1", DEVSHIM_CACHE_DIR=CACHE))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == [1, 2, 2]

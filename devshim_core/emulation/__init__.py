@@ -21,6 +21,7 @@ import importlib.machinery
 import importlib.metadata
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ SDK_PATH = Path(__file__).with_name("sdk")
 EMULATE_ENV = "DEVSHIM_EMULATE"
 DEVICES_ENV = "DEVSHIM_EMULATE_DEVICES"
 DEFAULT_DEVICES = 8  # one node's worth, as on an 8-NPU Atlas server
+DEVICE_MEMORY = 32 << 30  # what each emulated device reports as its capacity
 
 _enabled: Any = None
 
@@ -115,11 +117,14 @@ def visible_device_count(variable: str) -> int:
     return len(ids)
 
 
-def enable_device(name: str, *, device_count: int, device_name: str, bf16: bool = True,
+def enable_device(name: str, *, device_count: int | Callable[[], int], device_name: str, bf16: bool = True,
                   unsupported_dtypes: tuple[Any, ...] = ()) -> Any:
     """Turn PyTorch's PrivateUse1 device into the emulated device ``name``; return its ``torch.<name>`` module.
 
-    Idempotent for the same name. A process has one PrivateUse1 name: asking for another raises.
+    ``device_count`` may be a function (of the visible-devices variable, say): the module then counts again at
+    each ``device_count()`` until the process first sets a device, as a runtime that initializes lazily counts
+    (CUDA reads CUDA_VISIBLE_DEVICES then, so a launcher may still change the variable before). Idempotent for the
+    same name. A process has one PrivateUse1 name: asking for another raises.
     """
     global _enabled
     import torch
@@ -138,10 +143,11 @@ def enable_device(name: str, *, device_count: int, device_name: str, bf16: bool 
     from devshim_core.emulation.device_module import EmulatedDeviceModule
 
     extension = build.load_extension()
-    extension.configure(device_count, 32 << 30)
+    recount = device_count if callable(device_count) else None
+    extension.configure(recount() if recount else device_count, DEVICE_MEMORY)
     if current != name:
         torch.utils.rename_privateuse1_backend(name)
-    module = EmulatedDeviceModule(name, extension, device_name=device_name, bf16=bf16)
+    module = EmulatedDeviceModule(name, extension, device_name=device_name, bf16=bf16, recount=recount)
     torch._register_device_module(name, module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_packed_sequence=True,
                                                          for_storage=True, unsupported_dtype=list(unsupported_dtypes))

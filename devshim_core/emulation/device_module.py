@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -70,10 +70,12 @@ def _faulty_devices() -> frozenset[int]:
 class EmulatedDeviceModule(ModuleType):
     """``torch.<name>`` for the emulated device ``name``."""
 
-    def __init__(self, name: str, extension: ModuleType, device_name: str, bf16: bool = True) -> None:
+    def __init__(self, name: str, extension: ModuleType, device_name: str, bf16: bool = True,
+                 recount: Callable[[], int] | None = None) -> None:
         super().__init__(f"torch.{name}")
         self.type = name
         self._ext = extension
+        self._recount = recount  # counts the visible devices again until the first set_device
         self._device_name = device_name
         self._bf16 = bf16
         self._memory_fraction: dict[int, float] = {}
@@ -125,12 +127,20 @@ class EmulatedDeviceModule(ModuleType):
         return False
 
     def device_count(self) -> int:
+        if self._recount is not None:
+            count = self._recount()
+            if count != self._ext.device_count():
+                from devshim_core.emulation import DEVICE_MEMORY
+
+                self._ext.configure(count, DEVICE_MEMORY)
         return self._ext.device_count()
 
     def current_device(self) -> int:
         return self._ext.current_device()
 
     def set_device(self, device: Any) -> None:
+        self.device_count()
+        self._recount = None  # the runtime is initialized now: its device count is fixed
         index = _index(device, -1)
         if index in self._faulty:  # as a vendor runtime fails to open a broken or busy device
             raise RuntimeError(f"{self.type} runtime: initializing device {index} failed (emulated fault: "

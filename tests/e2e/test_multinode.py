@@ -185,18 +185,10 @@ FILTERS: dict[str, tuple[list[str], bool, int]] = {  # (launcher arguments, visi
     "visible_devices": ([], True, 1),
 }
 FILTERED = [f"{platform.id}_deepspeed_{name}" for platform in (CPU, ASCEND) for name in FILTERS]
-# the emulated npu fixes its device count when it comes up, at devshim's activation in the launcher process: the
-# launcher's ASCEND_RT_VISIBLE_DEVICES=1 makes that count 1, and DeepSpeed's runner, which then deletes the variable
-# to turn it into --include localhost:1, finds one slot (CUDA counts lazily, after the deletion)
-EMULATED_COUNT_AT_BRING_UP = pytest.mark.xfail(strict=True, reason=(
-    "the emulated npu counts its devices once, when devshim activates in the launcher: with "
-    "ASCEND_RT_VISIBLE_DEVICES=1 on the launcher, DeepSpeed's runner finds 1 slot and refuses --include localhost:1"))
 
 
 def filtered_params() -> list[Any]:
-    return [pytest.param(name, id=name.replace("_deepspeed_", "-"),
-                         marks=[EMULATED_COUNT_AT_BRING_UP] if name == "npu_deepspeed_visible_devices" else [])
-            for name in FILTERED]
+    return [pytest.param(name, id=name.replace("_deepspeed_", "-")) for name in FILTERED]
 
 
 def platform_of(name: str) -> Platform:
@@ -236,25 +228,25 @@ def openmpi_missing() -> str | None:
     return None
 
 
-def mpi_env(workdir: Path, extra: dict[str, str]) -> dict[str, str]:
+def mpi_env(platform: Platform, workdir: Path, extra: dict[str, str]) -> dict[str, str]:
     """A job's environment with OpenMPI's programs on PATH (DeepSpeed's runner calls them by name)."""
-    env = job_env(workdir, CPU.job_env({**LOOPBACK, **CPU.two_devices_env, **extra}))
+    env = job_env(workdir, platform.job_env({**LOOPBACK, **platform.two_devices_env, **extra}))
     env["PATH"] = os.pathsep.join([str(mpi_bin_dir()), env.get("PATH", os.defpath)])
     return env
 
 
-def mpirun_two_ranks(workdir: Path) -> Launch:
+def mpirun_two_ranks(platform: Platform, workdir: Path) -> Launch:
     if reason := openmpi_missing():
         pytest.skip(reason)
     workdir.mkdir(parents=True, exist_ok=True)
-    env = mpi_env(workdir, {"DEVSHIM_TEST_MPI_PORT": str(free_port())})
+    env = mpi_env(platform, workdir, {"DEVSHIM_TEST_MPI_PORT": str(free_port())})
     command = [shutil.which("mpirun", path=env["PATH"]) or "mpirun", "-n", "2", "--oversubscribe",
-               "--allow-run-as-root", str(venv_bin("python")), "-u", str(JOB), *ARGS, "--report",
+               "--allow-run-as-root", str(venv_bin("python")), "-u", "-m", "mpi4py", str(JOB), *ARGS, "--report",
                str(workdir / "report.json")]
     return launch_nodes("mpirun", [command], [env], workdir)
 
 
-def deepspeed_openmpi(workdir: Path) -> Launch:
+def deepspeed_openmpi(platform: Platform, workdir: Path) -> Launch:
     if reason := openmpi_missing():
         pytest.skip(reason)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -266,7 +258,7 @@ def deepspeed_openmpi(workdir: Path) -> Launch:
                           "--force_multi", "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", port,
                           "--launcher_args", "--oversubscribe --allow-run-as-root --mca btl_tcp_if_include lo",
                           report_dir=workdir)
-    env = mpi_env(workdir, {"DEVSHIM_AUTO": "1", "DEVSHIM_TEST_MPI_PORT": port})
+    env = mpi_env(platform, workdir, {"DEVSHIM_AUTO": "1", "DEVSHIM_TEST_MPI_PORT": port})
     return launch_nodes("deepspeed", [command], [env], workdir)
 
 
@@ -278,8 +270,8 @@ JOBS: dict[str, Callable[[Path], Launch]] = {
     "cpu_torchrun_two_nodes": partial(torchrun_c10d_two_nodes, CPU),
     "npu_torchrun_two_nodes": partial(torchrun_c10d_two_nodes, ASCEND),
     **{f"{p.id}_deepspeed_{name}": partial(deepspeed_filtered, p, name) for p in (CPU, ASCEND) for name in FILTERS},
-    "cpu_mpirun": mpirun_two_ranks,
-    "cpu_deepspeed_openmpi": deepspeed_openmpi,
+    **{f"{p.id}_mpirun": partial(mpirun_two_ranks, p) for p in (CPU, ASCEND)},
+    **{f"{p.id}_deepspeed_openmpi": partial(deepspeed_openmpi, p) for p in (CPU, ASCEND)},
 }
 
 
@@ -336,8 +328,6 @@ def launch_fixture(name: str) -> Any:
 
 cpu_one_node = launch_fixture("cpu_one_node")
 cpu_deepspeed_two_nodes = launch_fixture("cpu_deepspeed_two_nodes")
-cpu_mpirun = launch_fixture("cpu_mpirun")
-cpu_deepspeed_openmpi = launch_fixture("cpu_deepspeed_openmpi")
 
 
 # -- what every launch must show -----------------------------------------------------------------
@@ -511,45 +501,51 @@ def test_a_filtered_rank_counts_only_the_devices_its_launcher_made_visible(jobs:
 # -- MPI: skipped until OpenMPI and mpi4py are installed -------------------------------------------
 
 
-def test_mpirun_ranks_find_their_world_through_deepspeed_mpi_discovery(cpu_mpirun: Launch,
-                                                                         cpu_one_node: Launch) -> None:
-    """``mpirun -n 2 --oversubscribe --allow-run-as-root python multinode_job.py``: no launcher sets RANK,
+@pytest.mark.parametrize("platform", [CPU, ASCEND], ids=["cpu", "npu"])
+def test_mpirun_ranks_find_their_world_through_deepspeed_mpi_discovery(jobs: Jobs, platform: Platform) -> None:
+    """``mpirun -n 2 --oversubscribe --allow-run-as-root python -m mpi4py multinode_job.py`` (``-m mpi4py``: a rank
+    that raises calls MPI_Abort, instead of waiting in MPI_Finalize for ranks that wait for it): no launcher sets RANK,
     LOCAL_RANK or WORLD_SIZE; DeepSpeed's MPI discovery (mpi4py) derives them from the MPI world, each rank runs on
     its local rank's device, and the job trains exactly as the torchrun one.
     """
-    launch = cpu_mpirun
+    launch = jobs.get(f"{platform.id}_mpirun")
     report = launch.report()
 
-    assert_one_plugin(launch, report, CPU, world=2)
+    assert_one_plugin(launch, report, platform, world=2)
     for rank in range(2):
         facts = launch.rank_facts(rank)
         env = facts["launch_env"]
         assert "RANK" not in env and "LOCAL_RANK" not in env, env  # mpirun gave none: discovery did
         assert env["OMPI_COMM_WORLD_RANK"] == str(rank), env
         assert facts["local_rank"] == int(env["OMPI_COMM_WORLD_LOCAL_RANK"]) == rank, facts
-        assert_on_device(report["ranks"][rank], CPU, rank, launch)
-    assert_same_losses(launch, cpu_one_node, "mpirun -n 2")
+        assert_on_device(report["ranks"][rank], platform, rank, launch)
+    assert_same_losses(launch, jobs.get(f"{platform.id}_one_node"), f"mpirun -n 2 on {platform.id}")
 
 
-def test_deepspeed_openmpi_runner_exports_devshim_switches_and_deepspeed_env(cpu_deepspeed_openmpi: Launch,
-                                                                            cpu_one_node: Launch) -> None:
+@pytest.mark.parametrize("platform", [CPU, ASCEND], ids=["cpu", "npu"])
+def test_deepspeed_openmpi_runner_exports_devshim_switches_and_deepspeed_env(jobs: Jobs, platform: Platform) -> None:
     """``deepspeed --launcher openmpi`` hands every rank, through ``mpirun -x``, the launcher's variables that
     start with DeepSpeed's and the accelerator's ``export_envs()`` prefixes (devshim's: DEVSHIM and, for
     cpu_reference, OMP/KMP) and every line of ``.deepspeed_env``: what reaches the ranks of other hosts. The
     ``.deepspeed_env`` marker reaches the ranks only that way (the launcher itself does not have it).
     """
-    launch = cpu_deepspeed_openmpi
+    launch = jobs.get(f"{platform.id}_deepspeed_openmpi")
     report = launch.report()
 
     command = runner_command(launch, "mpirun")
     exported = dict(value.split("=", 1) for flag, value in itertools.pairwise(command) if flag == "-x")
     assert exported[MARKER] == MARKER_VALUE, command
-    assert exported["DEVSHIM_AUTO"] == "1" and exported["DEVSHIM_CPU_DEVICE_COUNT"] == "2", command
-    assert exported["OMP_NUM_THREADS"] == "1", command  # the cpu_reference plugin's export prefix
+    assert exported["DEVSHIM_AUTO"] == "1", command
+    for name, value in platform.two_devices_env.items():
+        assert exported[name] == value, command
+    if platform is CPU:
+        assert exported["OMP_NUM_THREADS"] == "1", command  # the cpu_reference plugin's export prefix
+    else:  # the ascend plugin's ASCEND prefix: the CANN location the (simulated) SDK set in the launcher
+        assert exported["ASCEND_HOME_PATH"].endswith("cann"), command
     assert "deepspeed_env file = ./.deepspeed_env" in launch.output, launch.tail()
-    assert_one_plugin(launch, report, CPU, world=2)
+    assert_one_plugin(launch, report, platform, world=2)
     for rank in range(2):
         env = launch.rank_env(rank)
         assert env[MARKER] == MARKER_VALUE and env["DEVSHIM_AUTO"] == "1", env
-        assert_on_device(report["ranks"][rank], CPU, launch.rank_facts(rank)["local_rank"], launch)
-    assert_same_losses(launch, cpu_one_node, "deepspeed --launcher openmpi, 2 ranks")
+        assert_on_device(report["ranks"][rank], platform, launch.rank_facts(rank)["local_rank"], launch)
+    assert_same_losses(launch, jobs.get(f"{platform.id}_one_node"), f"deepspeed --launcher openmpi on {platform.id}")

@@ -13,7 +13,7 @@ from devshim_core.emulation.collectives import VendorRules, register_backend
 __version__ = "2.13.0+devshim.emulated"
 EMULATED = True
 
-npu = emulation.enable_device("npu", device_count=emulation.visible_device_count("ASCEND_RT_VISIBLE_DEVICES"),
+npu = emulation.enable_device("npu", device_count=lambda: emulation.visible_device_count("ASCEND_RT_VISIBLE_DEVICES"),
                               device_name="Ascend910B2 (devshim emulation)")
 register_backend(VendorRules(backend="hccl", device_type="npu"), emulation.host_alias)
 

@@ -17,7 +17,7 @@ __version__ = "2.13.0+devshim.emulated"
 EMULATED = True
 CHIP_ARCH = os.environ.get("CHIP_ARCH", "sg2260").strip().lower() or "sg2260"
 
-_device = emulation.enable_device("tpu", device_count=emulation.visible_device_count("TPU_VISIBLE_DEVICES"),
+_device = emulation.enable_device("tpu", device_count=lambda: emulation.visible_device_count("TPU_VISIBLE_DEVICES"),
                                   device_name=f"Sophgo {CHIP_ARCH.upper()} (devshim emulation)",
                                   unsupported_dtypes=(torch.int64,))
 # SCCL reduces 32-bit and narrower floats only; Sophgo's adaptor narrows the rest and casts back
