@@ -114,9 +114,10 @@ class Device:
     def _setup_failure(self, device: Any, exc: Exception) -> str:
         rank, local = os.environ.get("RANK"), os.environ.get("LOCAL_RANK")
         where = f"rank {rank} (local rank {local})" if rank is not None else f"process {os.getpid()}"
-        variables = self.collectives.visible_devices_envs
-        visible = (f" {variables[0]}={os.environ[variables[0]]!r} in this process." if variables and
-                   variables[0] in os.environ else f" {variables[0]} is unset." if variables else "")
+        visible = ""
+        if self.collectives.visible_devices_envs:
+            name = self.collectives.visible_devices_envs[0]
+            visible = f" {name}={os.environ[name]!r} in this process." if name in os.environ else f" {name} is unset."
         return (f"{where}: the {self.plugin} plugin's runtime could not set up {self.type} device {device!r}: "
                 f"{type(exc).__name__}: {exc}. This process sees {self.device_count()} {self.type} device(s);"
                 f"{visible} Check that device with the vendor's tools, or leave it out of the job.")

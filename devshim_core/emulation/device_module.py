@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from devshim_core.emulation import DEVICE_MEMORY
 from devshim_core.stream_context import StreamContext
 
 
@@ -130,8 +131,6 @@ class EmulatedDeviceModule(ModuleType):
         if self._recount is not None:
             count = self._recount()
             if count != self._ext.device_count():
-                from devshim_core.emulation import DEVICE_MEMORY
-
                 self._ext.configure(count, DEVICE_MEMORY)
         return self._ext.device_count()
 

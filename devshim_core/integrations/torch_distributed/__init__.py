@@ -8,8 +8,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from devshim_core.device import Device
-from devshim_core.patching import PatchSet
+from devshim_core.patching import PatchSet, Requirement, SetAttribute
+
+TORCH = Requirement("torch", ">=2.4,<3")  # the torch releases every set of this package was written for
+REEXPORT_REASON = "torch.distributed re-exports the function; callers use that name"
+
+
+def in_both_modules(name: str, function: str, make: Callable[[Any, Device], Any],
+                    reason: str) -> tuple[SetAttribute, SetAttribute]:
+    """``function`` patched where it is defined (``distributed_c10d``) and where callers find it (the package)."""
+    return (SetAttribute(name=name, target=f"torch.distributed.distributed_c10d:{function}", make=make,
+                         reason=reason),
+            SetAttribute(name=f"{name}-reexport", target=f"torch.distributed:{function}", make=make,
+                         reason=REEXPORT_REASON))
 
 
 def job_patch_sets(device: Device, job_level: bool = True) -> list[tuple[PatchSet, str]]:

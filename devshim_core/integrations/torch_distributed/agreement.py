@@ -2,9 +2,9 @@
 
 Each process selects its plugin on its own, from what its node has installed and its environment. A node with
 another plugin installed, or a variable the launcher did not forward, would otherwise train on a mix of
-devices and backends. Right after the process group
-exists, rank 0 publishes its plugin and device type in the group's store, and every other rank compares its
-own with it: one store read per rank, whatever the world size.
+devices and backends. Right after the process group exists, rank 0 publishes its plugin and device type in
+the group's store, and every other rank compares its own with it: one store read per rank, whatever the world
+size.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 
 from devshim_core.device import Device
 from devshim_core.errors import ConfigError
-from devshim_core.patching import PatchSet, Requirement, SetAttribute
+from devshim_core.integrations.torch_distributed import TORCH, in_both_modules
+from devshim_core.patching import PatchSet
 
-TORCH = Requirement("torch", ">=2.4,<3")
 STORE_KEY = "devshim/selection/rank0"
 
 
@@ -67,11 +67,6 @@ def patch_set(device: Device) -> PatchSet:
         name="torch.distributed-agreement",
         requires=(TORCH,),
         reason="every rank of a job must run on the same plugin; a mismatch stops init_process_group naming the rank",
-        patches=(
-            SetAttribute(name="init_process_group-agreement", target="torch.distributed.distributed_c10d:"
-                         "init_process_group", make=_checked, reason="compare the plugin with rank 0's once the "
-                         "group's store exists"),
-            SetAttribute(name="init_process_group-agreement-reexport", target="torch.distributed:init_process_group",
-                         make=_checked, reason="torch.distributed re-exports the function; callers use that name"),
-        ),
+        patches=in_both_modules("init_process_group-agreement", "init_process_group", _checked,
+                                "compare the plugin with rank 0's once the group's store exists"),
     )

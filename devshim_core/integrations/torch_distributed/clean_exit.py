@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 
 from devshim_core.device import Device
-from devshim_core.patching import PatchSet, Requirement, RunAtExit
+from devshim_core.integrations.torch_distributed import TORCH
+from devshim_core.patching import PatchSet, RunAtExit
 
-TORCH = Requirement("torch", ">=2.4,<3")
 WORKER_THREAD_NAME = "pt_gloo_runloop"  # c10d names its gloo worker threads so (Linux, torch >= 2.4)
 SLEEP_S = 0.005
 TIMEOUT_S = 2.0
@@ -75,7 +75,7 @@ def settle(timeout_s: float = TIMEOUT_S, sleep_s: float = SLEEP_S,
 
 def _settle_at_exit(device: Device) -> Callable[[], None]:
     def settle_gloo_workers() -> None:
-        settle()
+        settle()  # looked up at exit, not bound now: tests/test_clean_exit.py replaces it to watch it run
 
     return settle_gloo_workers
 

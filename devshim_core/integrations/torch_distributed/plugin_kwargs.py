@@ -12,9 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from devshim_core.device import Device
-from devshim_core.patching import PatchSet, Requirement, SetAttribute
-
-TORCH = Requirement("torch", ">=2.4,<3")
+from devshim_core.integrations.torch_distributed import TORCH, in_both_modules
+from devshim_core.patching import PatchSet
 
 
 def _with_plugin_kwargs(original: Callable[..., Any], device: Device) -> Callable[..., Any]:
@@ -32,16 +31,11 @@ def _with_plugin_kwargs(original: Callable[..., Any], device: Device) -> Callabl
 
 
 def patch_set(device: Device) -> PatchSet:
-    make = _with_plugin_kwargs
     return PatchSet(
         name="torch.distributed",
         requires=(TORCH,),
         reason=f"pass the {device.plugin} plugin's init_process_group arguments "
                f"({', '.join(device.collectives.init_kwargs)}) to the {device.collectives.backend} backend",
-        patches=(
-            SetAttribute(name="init_process_group", target="torch.distributed.distributed_c10d:init_process_group",
-                         make=make, reason="the backend needs options frameworks do not pass"),
-            SetAttribute(name="init_process_group-reexport", target="torch.distributed:init_process_group",
-                         make=make, reason="torch.distributed re-exports the function; callers use that name"),
-        ),
+        patches=in_both_modules("init_process_group", "init_process_group", _with_plugin_kwargs,
+                                "the backend needs options frameworks do not pass"),
     )

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 from devshim_core.device import Device
-from devshim_core.patching import PatchSet, Requirement, SetAttributes
+from devshim_core.integrations.torch_distributed import TORCH
+from devshim_core.patching import PatchSet, SetAttributes
 
-TORCH = Requirement("torch", ">=2.4,<3")
 # the blocking collectives and point-to-point calls of torch.distributed a training job makes
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
                "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",

@@ -13,6 +13,12 @@ from devshim_core.errors import ConfigError
 VISIBLE_DEVICES_ENV = "DEVSHIM_CPU_VISIBLE_DEVICES"
 
 
+def _visible_count() -> int | None:
+    """How many devices the visible-devices variable lists, or ``None`` when it is unset."""
+    visible = os.environ.get(VISIBLE_DEVICES_ENV, "").strip()
+    return len([v for v in visible.split(",") if v.strip()]) if visible else None
+
+
 def configured_device_count() -> tuple[int, str]:
     """How many device slots the CPU offers, and where that number came from (``DEVSHIM_CPU_DEVICE_COUNT`` is the
     node's count; the visible-devices variable narrows what one process sees: :meth:`CpuDeviceModule.device_count`)."""
@@ -21,9 +27,9 @@ def configured_device_count() -> tuple[int, str]:
         if not raw.isdigit() or int(raw) < 1:
             raise ConfigError(f"DEVSHIM_CPU_DEVICE_COUNT={raw!r} must be a positive integer (ranks per host).")
         return int(raw), "DEVSHIM_CPU_DEVICE_COUNT"
-    visible = os.environ.get(VISIBLE_DEVICES_ENV, "").strip()
-    if visible:
-        return len([v for v in visible.split(",") if v.strip()]), VISIBLE_DEVICES_ENV
+    visible = _visible_count()
+    if visible is not None:
+        return visible, VISIBLE_DEVICES_ENV
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         value = os.environ.get(name, "")
         if value.isdigit() and int(value) > 0:
@@ -66,8 +72,8 @@ class CpuDeviceModule:
     def device_count(self) -> int:
         # read at each call, as CUDA reads CUDA_VISIBLE_DEVICES lazily: the deepspeed launcher deletes the variable
         # (turning it into --include) and then sizes the node's pool with the full count
-        visible = os.environ.get(VISIBLE_DEVICES_ENV, "").strip()
-        return len([v for v in visible.split(",") if v.strip()]) if visible else self._count
+        visible = _visible_count()
+        return self._count if visible is None else visible
 
     def current_device(self) -> int:
         return _local_rank() if self._current is None else self._current
