@@ -8,6 +8,7 @@ rounds, and reports the geometric mean of the per-round ratios devshim / peer wi
 from __future__ import annotations
 
 import os
+import re
 import socket
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,25 @@ def environment_without_devshim() -> dict[str, str]:
     """This process's environment minus devshim's switches and ``DS_ACCELERATOR``: what a contender
     process starts from, so neither side inherits the other's configuration."""
     return {k: v for k, v in os.environ.items() if not k.startswith("DEVSHIM_") and k != "DS_ACCELERATOR"}
+
+
+_EXIT_ABORT_MARKER = "terminate called without an active exception"
+_RANK_EXIT_CODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+def only_the_upstream_exit_abort(returncode: int | None, stderr: str) -> bool:
+    """Whether a ``torchrun`` job failed only by PyTorch's exit abort (pytorch/pytorch#117762).
+
+    That abort hits a rank *after* its script returned, while the interpreter finalizes: a gloo worker thread
+    calls ``std::terminate``. devshim's set ``torch.distributed-exit`` prevents it, so a run without devshim (a
+    peer) is exposed to it, in about 2% of short 2-rank jobs (``stress/``). True only if the abort message was
+    printed and every rank torchrun lists as failed died of SIGABRT (-6) or of the SIGTERM (-15) the agent then
+    sends the others; a rank that raised, or any other exit code, is a real failure.
+    """
+    if returncode in (0, None) or _EXIT_ABORT_MARKER not in stderr:
+        return False
+    codes = {int(code) for code in _RANK_EXIT_CODE.findall(stderr)}
+    return -6 in codes and codes <= {-6, -15}
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 from plugin_fixtures import PROJECT_DIR, PYTHON, checked_json, clean_env, run
 
-from bench.common import free_port
+from bench.common import free_port, only_the_upstream_exit_abort
 from devshim_core.integrations.torch_distributed import clean_exit
 from devshim_core.integrations.torch_distributed.clean_exit import settle
 from devshim_core.patching import PatchRegistry
@@ -127,3 +127,35 @@ def test_the_exit_patch_is_declared_applied_once_and_reverted():
                                                           {"torch": ">=2.4,<3"})
     assert "117762" in row["reason"] or "117762" in patch_set.reason
     assert registry.revert(patch_set.name)  # that the callback then never runs: the subprocess spec above
+
+
+# What torchrun printed when a peer run (no devshim, so no exit callback) aborted in CI after its report.
+PEER_EXIT_ABORT = """\
+terminate called without an active exception
+W1124 api.py:1028] Sending process 6165 closing signal SIGTERM
+E1124 api.py:1002] failed (exitcode: -6) local_rank: 0 (pid: 6164) of binary: python
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 6165)  (SIGTERM)
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 6164)  (SIGABRT)
+"""
+
+
+def test_a_peer_job_that_failed_only_by_the_exit_abort_is_recognised():
+    assert only_the_upstream_exit_abort(1, PEER_EXIT_ABORT)
+
+
+def test_any_other_failure_of_a_peer_job_is_not_the_exit_abort():
+    assert not only_the_upstream_exit_abort(0, PEER_EXIT_ABORT)  # nothing failed
+    assert not only_the_upstream_exit_abort(None, PEER_EXIT_ABORT)  # killed at a timeout
+    raised = PEER_EXIT_ABORT.replace("exitcode  : -15 (pid: 6165)  (SIGTERM)", "exitcode  : 1 (pid: 6165)")
+    assert not only_the_upstream_exit_abort(1, raised)  # the other rank raised
+    no_message = PEER_EXIT_ABORT.replace("terminate called without an active exception\n", "")
+    assert not only_the_upstream_exit_abort(1, no_message)  # a SIGABRT of another cause
+    only_sigterm = PEER_EXIT_ABORT.replace("exitcode  : -6 (pid: 6164)  (SIGABRT)", "exitcode  : -15 (pid: 6164)")
+    assert not only_the_upstream_exit_abort(1, only_sigterm.replace("(exitcode: -6)", "(exitcode: -15)"))

@@ -50,7 +50,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
 
 
 def _report(job: Job) -> dict[str, Any]:
-    report = job.report()
+    # the peer runs without devshim, so without its exit fix: PyTorch's exit abort is not the peer's failure
+    report = job.report(tolerate_upstream_exit_abort=job.env.get("DEVSHIM_EXAMPLE_WITHOUT_DEVSHIM") == "1")
     assert report["rank_count"] == 2 and [r["rank"] for r in report["ranks"]] == [0, 1], job.tail()
     assert report["zero_stage"] == 2 and report["optimizer"] == "DeepSpeedZeroOptimizer", job.tail()
     assert all(r["param_dtype"] == "torch.float32" for r in report["ranks"]), job.tail()
@@ -87,7 +88,7 @@ def test_the_peer_trains_on_deepspeeds_own_npu_accelerator(jobs: dict[str, Job])
 
 
 def test_both_compute_the_same_losses(jobs: dict[str, Job]) -> None:
-    ours, peer = (jobs[name].report()["losses"] for name in ("devshim", "peer"))
+    ours, peer = (_report(jobs[name])["losses"] for name in ("devshim", "peer"))
     assert len(ours) == len(peer) == STEPS, (ours, peer)
     assert ours[0] == peer[0], f"the first step (before any optimizer step) differs: {ours[0]} vs {peer[0]}"
     worst = max(abs(a - b) / abs(b) for a, b in zip(ours, peer, strict=True))
