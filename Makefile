@@ -17,7 +17,7 @@ OLDEST_DEEPSPEED := 0.16.0
 OLDEST_VENV ?= .venv-deepspeed-$(OLDEST_DEEPSPEED)
 OLDEST_STAMP := $(OLDEST_VENV)/.devshim-installed
 
-.PHONY: install demo megatron-demo test test-deepspeed-oldest lint bench stress clean
+.PHONY: install demo megatron-demo test test-conformance test-deepspeed-oldest test-wheels lint bench stress docs clean
 
 install: $(STAMP)
 
@@ -44,7 +44,18 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 	DEVSHIM_EMULATE=ascend $(PY) -m pytest tests/emulated $(PYTEST_ARGS)
 	DEVSHIM_EMULATE=sophgo $(PY) -m pytest tests/emulated $(PYTEST_ARGS)
+	$(MAKE) test-conformance
 	$(MAKE) test-deepspeed-oldest
+	$(MAKE) test-wheels
+
+# devshim's conformance kit (devshim_core.testing) on each of devshim's plugins, as a vendor runs it on its own;
+# two devices each, so that its 2-rank DeepSpeed and Megatron jobs run; --noconftest: tests/conftest.py (loaded for
+# testpaths before the kit replaces them) would clear the DEVSHIM_* switches set here
+KIT := $(PY) -m pytest --noconftest $(PYTEST_ARGS) --devshim-plugin
+test-conformance: $(STAMP)
+	DEVSHIM_CPU_DEVICE_COUNT=2 $(KIT)=cpu_reference
+	DEVSHIM_EMULATE=ascend DEVSHIM_EMULATE_DEVICES=2 $(KIT)=ascend
+	DEVSHIM_EMULATE=sophgo DEVSHIM_EMULATE_DEVICES=2 $(KIT)=sophgo
 
 $(OLDEST_STAMP): $(BUILD_INPUTS) requirements-deepspeed-oldest.txt
 	$(PYTHON) -m venv $(OLDEST_VENV)
@@ -62,6 +73,11 @@ test-deepspeed-oldest: $(OLDEST_STAMP)
 		tests/test_deepspeed_gather_order.py \
 		-k "not npu" $(PYTEST_ARGS)
 
+# every distribution built as a release (python -m build: sdist, then the wheel from it) and installed, not
+# editable, into a fresh venv: metadata, devshim info, the DEVSHIM_AUTO .pth, the 2-rank demo, uninstall (~1 min)
+test-wheels: $(STAMP)
+	$(PY) release/check_wheels.py
+
 # ratios against the peers measured in the same run; writes bench/results.json (about 20 minutes)
 # the README's summary and docs/performance.md's tables are then rewritten from bench/results.json
 bench: $(STAMP)
@@ -73,8 +89,26 @@ bench: $(STAMP)
 stress: $(STAMP)
 	$(PY) -m stress --jobs $${STRESS_JOBS:-40} --control $${STRESS_CONTROL:-0}
 
+DOCS_VENV ?= .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.devshim-docs-installed
+
+$(DOCS_STAMP): requirements-docs.txt
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DOCS_VENV)/bin/python -m pip install --quiet -r requirements-docs.txt
+	touch $(DOCS_STAMP)
+
+# the docs site, built strictly (a broken link, anchor or docstring reference fails) into build/site; the patch
+# table is first rewritten from the registry: docs/patches.md's header is kept, the rows below it regenerated
+docs: $(STAMP) $(DOCS_STAMP)
+	mkdir -p build
+	{ sed '/^| set |/,$$d' docs/patches.md && \
+		PYTHONWARNINGS=ignore DEVSHIM_PLUGIN=cpu_reference $(VENV)/bin/devshim patches --markdown; } > build/patches.md
+	mv build/patches.md docs/patches.md
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir build/site
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(DOCS_VENV) build/site .pytest_cache

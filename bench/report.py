@@ -1,8 +1,9 @@
 """``python -m bench.report [results.json]``: the results as Markdown, for the README and docs/performance.md.
 
 ``--write`` replaces the generated blocks of ``README.md`` (the summary) and ``docs/performance.md`` (every
-row) with the rendering of the results file; nothing between the markers is edited by hand.
-``tests/test_bench_report.py`` checks that both blocks match ``bench/results.json``.
+row) with the rendering of the results file, and draws its plots into ``docs/img/`` (:mod:`bench.plots`, which
+needs matplotlib); the tables block shows them. Nothing between the markers is edited by hand.
+``tests/test_bench_report.py`` checks that both blocks and the plots match ``bench/results.json``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import pathlib
 import sys
 
+from bench import plots
 from bench.__main__ import DEFAULT_OUTPUT
 from bench.common import seconds_text
 from bench.stats import VERDICTS
@@ -49,11 +51,17 @@ def _by_group(document: dict) -> dict[str, tuple[list[dict], list[dict]]]:
 
 
 def tables(document: dict) -> str:
-    """Every comparison and note, grouped; informational rows are labelled so."""
+    """Every comparison and note, grouped; informational rows are labelled so. The ratio plot comes first, the
+    attention plot in its group."""
+    images = {name: plots.image(name, alt) + "\n" for name, alt in plots.plots(document).items()}
     lines = [_machine(document) + f" Targets: {_count(document['targets'])}.", ""]
+    if plots.RATIOS in images:
+        lines += [images[plots.RATIOS]]
     for group, (rows, notes) in _by_group(document).items():
-        lines += [f"#### {group}", "", "| case | devshim | peer | ratio (95% CI) | target | verdict |",
-                  "|---|---|---|---|---|---|"]
+        lines += [f"#### {group}", ""]
+        if group == "attention" and plots.ATTENTION in images:
+            lines += [images[plots.ATTENTION]]
+        lines += ["| case | devshim | peer | ratio (95% CI) | target | verdict |", "|---|---|---|---|---|---|"]
         for r in rows:
             case = r["case"] + (" *(kernel only)*" if r["kernel_only"] else "")
             lines.append(f"| {case} | {r['subject']}: {seconds_text(r['subject_seconds'])} | {r['peer']}: "
@@ -98,12 +106,16 @@ def render(document: dict, kind: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__)
     parser.add_argument("results", nargs="?", type=pathlib.Path, default=DEFAULT_OUTPUT)
-    parser.add_argument("--write", action="store_true", help="rewrite the generated blocks of the README and docs")
+    parser.add_argument("--write", action="store_true",
+                        help="rewrite the generated blocks of the README and docs, and draw the plots in docs/img")
     args = parser.parse_args(argv)
     document = json.loads(args.results.read_text())
     if not args.write:
         print(tables(document))
         return 0
+    # the plots first: without matplotlib this stops before any page refers to a plot it could not draw
+    for path in plots.write(document):
+        print(f"drew {path.relative_to(ROOT)}")
     for path, kind in BLOCKS.items():
         path.write_text(replace_block(path.read_text(), kind, render(document, kind)))
         print(f"wrote the {kind} into {path.relative_to(ROOT)}")

@@ -41,6 +41,7 @@ def _add_pth(wheel_path: str) -> None:
                 data = (text + _record_line(PTH_NAME, payload)).encode()
             dst.writestr(item, data)
         dst.writestr(PTH_NAME, payload)
+    os.chmod(tmp, os.stat(wheel_path).st_mode & 0o777)  # mkstemp made it 0600; keep the wheel's own mode
     shutil.move(tmp, wheel_path)
 
 

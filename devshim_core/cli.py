@@ -10,11 +10,10 @@ import platform
 import sys
 from typing import Any
 
-from devshim_core import cuda_check
+from devshim_core import api, cuda_check
 from devshim_core.cuda_check import report as check_report
 from devshim_core.distributions import installed_version
 from devshim_core.errors import ConfigError, DevshimError
-from devshim_core.patching import REGISTRY
 from devshim_core.plugins import discover
 from devshim_core.selection import select
 from devshim_core.session import activate
@@ -65,27 +64,10 @@ def info_report() -> dict[str, Any]:
         report.update(plugins_report())
         report.update({"selected": None, "reason": str(exc), "error": str(exc)})
         return report
-    status = session.integrations.get("deepspeed", "")
-    if status.startswith("armed"):
+    if session.integrations.get("deepspeed", "").startswith("armed"):
         importlib.import_module("deepspeed")  # fires the armed patches, so the report shows what a script gets
-        session.integrations["deepspeed"] = status.replace("armed: applied", "applied", 1)
-    if session.settings.emulate:
-        report["emulation"] = emulation_notice(session.settings.emulate, session.device.type)
-    report.update({
-        "selected": session.selection.plugin.name,
-        "reason": session.selection.reason,
-        "device": session.device.describe(),
-        "plugins": [r.as_dict() for r in session.registry],
-        "integrations": session.integrations,
-        "patches": REGISTRY.report(),
-    })
+    report.update(api.activate().as_dict())  # the session activated above, as it stands now
     return report
-
-
-def emulation_notice(vendor: str, device_type: str) -> str:
-    return (f"EMULATED DEVICE -- NOT HARDWARE: DEVSHIM_EMULATE={vendor}: '{device_type}' is devshim's host-memory "
-            f"emulation with a simulated {vendor} SDK; no {vendor} hardware or vendor software is in use, and "
-            "nothing measured here says anything about real devices.")
 
 
 def _print_plugins(plugins: list[dict[str, Any]]) -> None:

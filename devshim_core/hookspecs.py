@@ -74,8 +74,9 @@ def devshim_device_module(report: DeviceReport) -> DeviceModule | None:
     (``is_available, device_count, current_device, set_device, synchronize``), RNG (``manual_seed,
     manual_seed_all, initial_seed, get_rng_state, set_rng_state``) and, unless the traits say
     ``streams=False``, streams/events (``Stream, Event, stream, current_stream, default_stream``); see
-    ``records.DEVICE_MODULE_API`` and ``records.STREAM_API``, checked when the facade is built. A vendor
-    plugin usually returns the vendor module (``torch.npu``) after registering it, wrapping only what differs.
+    :data:`~devshim_core.records.DEVICE_MODULE_API` and :data:`~devshim_core.records.STREAM_API`, checked when
+    the facade is built. A vendor plugin usually returns the vendor module (``torch.npu``) after registering it,
+    wrapping only what differs.
 
     Return: the module. Required for a selectable plugin.
     """

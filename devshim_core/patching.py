@@ -1,6 +1,6 @@
 """Declared patches: each names its target, the versions it is valid for and why it exists.
 
-Patches are grouped in :class:`PatchSet` s that are applied all-or-nothing, idempotently, reversibly,
+Patches are grouped in patch sets (:class:`PatchSet`), applied all-or-nothing, idempotently, reversibly,
 and recorded in the process-wide :data:`REGISTRY` that ``devshim info`` lists. A set's ``requires`` and
 each patch's own ``requires`` are checked before anything changes: one unmet requirement refuses the
 whole set. Declaring a patch changes nothing; only :meth:`PatchRegistry.apply` does, and only

@@ -66,7 +66,6 @@ class DeviceModule(Protocol):
     def stream(self, stream: Any) -> Any: ...
 
 
-#: Attribute names every device module must provide (checked when the facade is built).
 DEVICE_MODULE_API: tuple[str, ...] = (
     "is_available",
     "device_count",
@@ -79,8 +78,9 @@ DEVICE_MODULE_API: tuple[str, ...] = (
     "get_rng_state",
     "set_rng_state",
 )
-#: ... and, unless its traits say ``streams=False``, these.
+"""Attribute names every device module must provide (checked when the facade is built)."""
 STREAM_API: tuple[str, ...] = ("Stream", "Event", "stream", "current_stream", "default_stream")
+"""Attribute names a device module must also provide unless its traits say ``streams=False``."""
 
 
 @dataclass(frozen=True)

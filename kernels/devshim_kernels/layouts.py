@@ -12,6 +12,7 @@ import torch
 Tensor = torch.Tensor
 DENSE_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
 LAYOUTS = (*DENSE_LAYOUTS, "TND")
+"""The layouts ``attention`` and the converters take: the dense ones, then packed variable-length ``TND``."""
 
 
 def check_layout(layout: str) -> None:

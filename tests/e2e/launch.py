@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import only_the_upstream_exit_abort
+from devshim_core.testing.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -42,36 +41,6 @@ def venv_bin(name: str) -> Path:
         if (directory / name).exists():
             return directory / name
     raise FileNotFoundError(f"{name} is not installed next to {sys.executable} nor in {REPO / '.venv' / 'bin'}")
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now, for one job's rendezvous.
-
-    Drawn below the ephemeral range: a port the OS hands out for binding to port 0 is also handed out for the
-    outgoing connections of every other job running at the same time, and one of those can take it before
-    this job's server binds it (seen as EADDRINUSE with many launches at once).
-    """
-    low = _ephemeral_range()[0]
-    rng = random.Random()
-    for _ in range(100):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range: let the OS pick
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -15,10 +15,10 @@ import devshim_kernels as dk
 import pytest
 import torch
 
+from devshim_core.testing import compare
 from emulated.conftest import DEVICE_TYPE, VENDOR, only
 
 Tensor = torch.Tensor
-TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 4e-2, "rtol": 4e-2}}
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 PLUGIN = {"ascend": "devshim_ascend.kernels", "sophgo": "devshim_sophgo.kernels"}
 
@@ -34,223 +34,18 @@ def _seed() -> None:
 
 
 def close(actual: Tensor, expected: Tensor, dtype: torch.dtype = torch.float32) -> None:
-    assert actual.device.type == DEVICE_TYPE, f"result on {actual.device}, not the {DEVICE_TYPE} device"
-    torch.testing.assert_close(actual.detach().cpu().float(), expected.detach().float(), **TOL[dtype])
+    compare.close(actual, expected, DEVICE_TYPE, dtype)
 
 
 def conform(device_fn: Callable[..., Tensor], reference_fn: Callable[..., Tensor], inputs: dict[str, Any],
             grads: tuple[str, ...], dtype: torch.dtype) -> Tensor:
-    """Run ``device_fn`` on device copies and ``reference_fn`` on the CPU tensors; compare outputs and the
-    gradients of ``grads``. Returns the device output."""
-    def copies(device: str) -> dict[str, Any]:
-        return {k: v.detach().to(device).requires_grad_(k in grads) if isinstance(v, Tensor) else v
-                for k, v in inputs.items()}
-
-    cpu, dev = copies("cpu"), copies(DEVICE_TYPE)
-    expected, actual = reference_fn(**cpu), device_fn(**dev)
-    close(actual, expected, dtype)
-    if grads:
-        g = torch.randn(expected.shape, dtype=expected.dtype)
-        expected.backward(g)
-        actual.backward(g.to(DEVICE_TYPE))
-        for name in grads:
-            assert dev[name].grad is not None, f"no gradient reached {name}"
-            close(dev[name].grad, cpu[name].grad, dtype)
-    return actual
+    return compare.conform(device_fn, reference_fn, inputs, grads, dtype, DEVICE_TYPE)
 
 
-# -- plugin kernels: attention -------------------------------------------------------------------------------------
+# The plugins' kernels against devshim_kernels (layouts, masks, dtypes, forward and backward) are checked by
+# devshim's conformance kit, which `make test` runs on each emulated vendor: pytest --devshim-plugin=<vendor>.
 
 B, HQ, D = 2, 4, 8
-DENSE = ["BNSD", "BSND", "BSH", "SBH"]
-CASES = ["none", "keep_mask", "masked_mask", "padding_mask", "causal_top_left", "causal_bottom_right", "gqa_causal",
-         "causal_and_mask", "additive_mask"]
-
-
-def _layout(bnsd: Tensor, layout: str) -> Tensor:
-    return dk.from_bnsd(bnsd, layout).contiguous()
-
-
-def _dense_case(case: str, layout: str, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
-    s_q, s_kv = (6, 10) if case in ("keep_mask", "masked_mask", "causal_bottom_right", "causal_and_mask") else (6, 6)
-    hkv = 2 if case == "gqa_causal" else HQ
-    q, k, v = (torch.randn(B, h, s, D, dtype=dtype) for h, s in ((HQ, s_q), (hkv, s_kv), (hkv, s_kv)))
-    inputs: dict[str, Any] = {"q": _layout(q, layout), "k": _layout(k, layout), "v": _layout(v, layout)}
-    options: dict[str, Any] = {"layout": layout, "num_heads": HQ if layout in ("BSH", "SBH") else None}
-    keep = torch.rand(B, 1, s_q, s_kv) > 0.4
-    keep[..., 0] = True  # no fully masked row
-    if case == "keep_mask":
-        inputs["attn_mask"] = keep
-    elif case == "masked_mask":  # Ascend's polarity, 2-D
-        inputs["attn_mask"] = ~keep[0, 0]
-        options["mask_true_means_masked"] = True
-    elif case == "padding_mask":  # [B, 1, 1, Skv] key padding: broadcast over queries
-        inputs["attn_mask"] = keep[:, :, :1, :]
-    elif case == "causal_and_mask":
-        inputs["attn_mask"] = keep
-        options.update(causal=True, causal_alignment="bottom_right")
-    elif case == "additive_mask":
-        inputs["attn_mask"] = torch.randn(1, 1, s_q, s_kv, dtype=dtype)
-    if case in ("causal_top_left", "gqa_causal"):
-        options["causal"] = True
-    elif case == "causal_bottom_right":
-        options.update(causal=True, causal_alignment="bottom_right")
-    if case == "none":
-        options["scale"] = 0.37
-    return inputs, options
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("layout", DENSE)
-def test_attention_dense(plugin: Any, layout: str, case: str, dtype: torch.dtype) -> None:
-    attention = plugin.attention_kernels().attention
-    inputs, options = _dense_case(case, layout, dtype)
-    out = conform(lambda **t: attention(**t, **options), lambda **t: dk.attention(**t, **options), inputs,
-                  ("q", "k", "v"), dtype)
-    assert out.shape == inputs["q"].shape[:-1] + out.shape[-1:] and out.dtype == dtype
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", ["none", "causal_top_left", "causal_bottom_right", "gqa_causal"])
-def test_attention_packed_tnd(plugin: Any, case: str, dtype: torch.dtype) -> None:
-    attention = plugin.attention_kernels().attention
-    len_q, len_kv = [3, 5], ([5, 7] if case == "causal_bottom_right" else [3, 5])
-    hkv = 2 if case == "gqa_causal" else HQ
-    inputs: dict[str, Any] = {"q": torch.randn(sum(len_q), HQ, D, dtype=dtype),
-                              "k": torch.randn(sum(len_kv), hkv, D, dtype=dtype),
-                              "v": torch.randn(sum(len_kv), hkv, D, dtype=dtype),
-                              # flash-attn style (leading 0, int32 tensor, moved to the device) for q ...
-                              "cu_seqlens_q": torch.tensor([0, 3, 8], dtype=torch.int32)}
-    options: dict[str, Any] = {"layout": "TND", "causal": case != "none",
-                               "causal_alignment": "bottom_right" if case == "causal_bottom_right" else "top_left",
-                               # ... and Ascend style (no leading 0, a list) for k/v
-                               "cu_seqlens_kv": [len_kv[0], sum(len_kv)]}
-    conform(lambda **t: attention(**t, **options), lambda **t: dk.attention(**t, **options), inputs,
-            ("q", "k", "v"), dtype)
-
-
-def test_attention_dropout_is_drop_probability(plugin: Any) -> None:
-    """``dropout_p`` is the drop probability (Ascend's ``keep_prob`` is 1 - p): with v = identity each output cell
-    is one key's probability, so the share of zeros is the share of dropped probabilities."""
-    attention = plugin.attention_kernels().attention
-    q, k = (torch.randn(2, 2, 64, 16, device=DEVICE_TYPE, requires_grad=True) for _ in range(2))
-    v = torch.eye(16, device=DEVICE_TYPE).expand(2, 2, 16, 16).contiguous().requires_grad_()
-    k_short = k[:, :, :16]
-    out = attention(q, k_short, v, layout="BNSD", dropout_p=0.8)
-    assert out.device.type == DEVICE_TYPE and bool(torch.isfinite(out).all())
-    zeros = (out == 0).float().mean().item()
-    assert 0.7 < zeros < 0.9, f"{zeros:.0%} of the probabilities were dropped with dropout_p=0.8"
-    out.sum().backward()
-    assert q.grad is not None and k.grad is not None and v.grad is not None
-
-
-# -- plugin kernels: rms_norm, swiglu, rotary ----------------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "no_weight"])
-def test_rms_norm(plugin: Any, with_weight: bool, dtype: torch.dtype) -> None:
-    rms_norm = plugin.attention_kernels().rms_norm
-    inputs: dict[str, Any] = {"x": torch.randn(3, 5, 64, dtype=dtype),
-                              "weight": torch.randn(64, dtype=dtype) if with_weight else None}
-    grads = ("x", "weight") if with_weight else ("x",)
-    conform(lambda **t: rms_norm(**t, eps=1e-5), lambda **t: dk.rms_norm(**t, eps=1e-5), inputs, grads, dtype)
-
-
-def test_rms_norm_fp32_weight_on_bf16_input(plugin: Any) -> None:
-    """devshim's convention promotes the result to the weight's dtype, which the vendor op does not: the plugin
-    must still return devshim's answer."""
-    rms_norm = plugin.attention_kernels().rms_norm
-    inputs = {"x": torch.randn(4, 32, dtype=torch.bfloat16), "weight": torch.randn(32)}
-    out = conform(rms_norm, dk.rms_norm, inputs, ("x", "weight"), torch.bfloat16)
-    assert out.dtype == torch.float32
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed"])
-def test_swiglu(plugin: Any, strided: bool, dtype: torch.dtype) -> None:
-    swiglu = plugin.attention_kernels().swiglu
-    if strided:  # a non-contiguous view: the vendor op takes only contiguous input, the plugin must cope
-        conform(lambda x: swiglu(x.transpose(0, 2)), lambda x: dk.swiglu(x.transpose(0, 2)),
-                {"x": torch.randn(16, 3, 4, dtype=dtype)}, ("x",), dtype)
-    else:
-        conform(swiglu, dk.swiglu, {"x": torch.randn(4, 3, 16, dtype=dtype)}, ("x",), dtype)
-
-
-# cos/sin as Megatron (SBND: [S, 1, 1, D]), the vendors' BSND ([1, S, 1, D]) and 2-D [S, D] for BNSD
-ROTARY_LAYOUTS = {"SBND": ((6, B, HQ, D), (6, 1, 1)), "BSND": ((B, 6, HQ, D), (1, 6, 1)), "BNSD": ((B, HQ, 6, D), (6,))}
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-@pytest.mark.parametrize("layout", list(ROTARY_LAYOUTS))
-def test_rotary(plugin: Any, layout: str, interleaved: bool, partial: bool, dtype: torch.dtype) -> None:
-    rotary = plugin.attention_kernels().rotary
-    shape, lead = ROTARY_LAYOUTS[layout]
-    rot = D // 2 if partial else D
-    angles = torch.rand(*lead, rot)
-    inputs = {"x": torch.randn(*shape, dtype=dtype), "cos": angles.cos(), "sin": angles.sin()}
-    conform(lambda **t: rotary(**t, interleaved=interleaved), lambda **t: dk.rotary(**t, interleaved=interleaved),
-            inputs, ("x",), dtype)
-
-
-# -- plugin kernels: optimizer -------------------------------------------------------------------------------------
-
-SHAPES = [(7, 5), (33,), (4, 3, 2)]
-
-
-def _run_fused(fused: Callable[..., None], steps: int, device: str, *, dtype: torch.dtype = torch.float32,
-               grad_dtype: torch.dtype | None = None, amsgrad: bool = False, copies: bool = False,
-               **hyper: Any) -> tuple[list[Tensor], ...]:
-    gen = torch.Generator().manual_seed(7)
-    params = [torch.randn(s, generator=gen).to(dtype).to(device) for s in SHAPES]
-    avgs = [torch.zeros_like(p) for p in params]
-    sqs = [torch.zeros_like(p) for p in params]
-    maxima = [torch.zeros_like(p) for p in params] if amsgrad else None
-    param_copies = [torch.empty(p.shape, dtype=torch.bfloat16, device=device) for p in params] if copies else None
-    for step in range(1, steps + 1):
-        grads = [torch.randn(s, generator=gen).to(grad_dtype or dtype).to(device) for s in SHAPES]
-        fused(params, grads, avgs, sqs, step=step, max_exp_avg_sqs=maxima, param_copies=param_copies, **hyper)
-    return params, avgs, sqs, param_copies or []
-
-
-HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1}
-
-
-@pytest.mark.parametrize("variant", ["adamw", "adam_l2", "no_bias_correction", "amsgrad", "bf16_copies",
-                                     "bf16_grads", "bf16_params"])
-def test_fused_adamw_matches_reference(plugin: Any, variant: str) -> None:
-    """Five steps on the device against devshim_kernels.fused_adamw on CPU (itself tested against torch.optim):
-    bias correction and weight decay accumulate over steps, which is where DeepSpeed's NPU FusedAdam went wrong."""
-    fused = plugin.optimizer_kernels().fused_adamw
-    kwargs: dict[str, Any] = {"adamw_mode": variant != "adam_l2", "bias_correction": variant != "no_bias_correction",
-                              "amsgrad": variant == "amsgrad", "copies": variant == "bf16_copies", **HYPER}
-    if variant == "bf16_grads":
-        kwargs["grad_dtype"] = torch.bfloat16
-    if variant == "bf16_params":
-        kwargs["dtype"] = torch.bfloat16
-    tol = TOL[torch.bfloat16] if variant == "bf16_params" else {"atol": 1e-6, "rtol": 1e-5}
-    actual = _run_fused(fused, 5, DEVICE_TYPE, **kwargs)
-    expected = _run_fused(dk.fused_adamw, 5, "cpu", **kwargs)
-    for got, want in zip(actual, expected, strict=True):
-        for a, e in zip(got, want, strict=True):
-            assert a.device.type == DEVICE_TYPE
-            torch.testing.assert_close(a.cpu().float(), e.float(), **tol)
-
-
-def test_fused_adamw_matches_torch_adamw(plugin: Any) -> None:
-    fused = plugin.optimizer_kernels().fused_adamw
-    param = torch.nn.Parameter(torch.randn(10, 3))
-    reference = torch.optim.AdamW([param], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
-    p, m, v = param.detach().to(DEVICE_TYPE), torch.zeros(10, 3, device=DEVICE_TYPE), torch.zeros(10, 3,
-                                                                                                   device=DEVICE_TYPE)
-    for step in range(1, 7):
-        grad = torch.randn(10, 3)
-        param.grad = grad
-        reference.step()
-        fused([p], [grad.to(DEVICE_TYPE)], [m], [v], step=step, adamw_mode=True, bias_correction=True, **HYPER)
-        torch.testing.assert_close(p.cpu(), param.detach(), atol=1e-6, rtol=1e-5)
 
 
 def test_records(plugin: Any) -> None:
