@@ -30,6 +30,11 @@ logsumexp (O(S)); Megatron keeps the full S x S probabilities. Checked once by h
 figure equals the net allocation ``torch.profiler`` records over the forward, less the output where it is not
 saved (devshim BNSD, SDPA, Megatron).
 
+Peak memory next to time, too: for every contender, the most bytes the host allocator held above its starting
+level during one forward+backward (``torch.profiler``'s allocation and free events, summed in order; see
+:func:`peak_bytes`). That includes the outputs, the input gradients and both passes' temporaries, so it is
+what a training step pays at once, where the saved bytes are only what waits for the backward.
+
 fp32, batch 1, hidden 512 (8 heads of 64 or 4 of 128), default thread count; 8 rounds of one call after one
 warm-up call (2 rounds of 5 calls in quick mode); about 2 minutes on 2 cores.
 """
@@ -117,6 +122,30 @@ def saved_for_backward_bytes(fn: Callable[[], Tensor], exclude: tuple[Tensor, ..
     return sum(nbytes for ptr, nbytes in storages.items() if ptr not in skip)
 
 
+def peak_bytes(call: Callable[[], object]) -> int:
+    """The most bytes the host allocator held, above its level when ``call`` started, during one ``call``: the
+    running sum of every allocation and free ``torch.profiler`` records (``profile_memory=True``), in order.
+    For one forward+backward that is the outputs, the gradients, what is saved for the backward and the
+    temporaries of both passes; what ``call`` returns is freed before the profiler stops."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    events: list[tuple[int, int]] = []
+    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        node = pending.pop()
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))  # negative for a free
+        pending.extend(node.children)
+    held = peak = 0
+    for _, size in sorted(events):
+        held += size
+        peak = max(peak, held)
+    return peak
+
+
 def _devshim(q: Tensor, k: Tensor, v: Tensor, layout: str, heads: int, cu: Tensor) -> Callable[[], Tensor]:
     return lambda: K.attention(q, k, v, layout=layout, num_heads=heads, causal=True, cu_seqlens_q=cu)
 
@@ -161,6 +190,7 @@ def _case(seq: int, head_dim: int, batch: int, hidden: int, rounds: int, warmup:
         check_megatron_match(ours, contenders[MEGATRON][0], sbh, grad_sbh)
 
     saved = {name: saved_for_backward_bytes(c[0], c[3]) for name, c in contenders.items()}
+    peaks = {name: peak_bytes(forward_backward(*c[:3])) for name, c in contenders.items()}
     both = interleaved_rounds({name: forward_backward(*c[:3]) for name, c in contenders.items()}, rounds=rounds,
                               warmup=warmup, calls=calls)
     fwd = interleaved_rounds({name: forward_only(c[0]) for name, c in contenders.items()}, rounds=rounds,
@@ -169,19 +199,23 @@ def _case(seq: int, head_dim: int, batch: int, hidden: int, rounds: int, warmup:
     results: list[Result] = []
     for mode, times in (("fwd+bwd", both), ("fwd", fwd)):
         for layout in (*DENSE_LAYOUTS, "TND"):
-            details = {"subject_saved_bytes": saved[layout], "peer_saved_bytes": saved[SDPA]}
+            details = {"subject_saved_bytes": saved[layout], "peer_saved_bytes": saved[SDPA],
+                       "subject_peak_bytes": peaks[layout], "peer_peak_bytes": peaks[SDPA]}
             results.append(Comparison(GROUP, f"{shape} {mode}", f"devshim attention ({layout})", times[layout],
                                       "raw SDPA (BNSD)", times[SDPA], 1.15, SDPA_TARGET, details, kernel_only=True))
         if with_megatron:
-            details = {"subject_saved_bytes": saved["SBH"], "peer_saved_bytes": saved[MEGATRON]}
+            details = {"subject_saved_bytes": saved["SBH"], "peer_saved_bytes": saved[MEGATRON],
+                       "subject_peak_bytes": peaks["SBH"], "peer_peak_bytes": peaks[MEGATRON]}
             results.append(Comparison(GROUP, f"{shape} {mode}", "devshim attention (SBH)", times["SBH"],
                                       "Megatron DotProductAttention", times[MEGATRON], 0.5, MEGATRON_TARGET, details,
                                       kernel_only=True))
-    held = [("devshim (BNSD)", saved["BNSD"]), ("raw SDPA (BNSD)", saved[SDPA])]
+    who = [("devshim (BNSD)", "BNSD"), ("raw SDPA (BNSD)", SDPA)]
     if with_megatron:
-        held.append(("Megatron DotProductAttention", saved[MEGATRON]))
-    results += [Note(GROUP, f"s={seq} d={head_dim}: bytes held for backward, {who}", round(n / MIB, 2), "MiB")
-                for who, n in held]
+        who.append(("Megatron DotProductAttention", MEGATRON))
+    results += [Note(GROUP, f"s={seq} d={head_dim}: bytes held for backward, {name}", round(saved[key] / MIB, 2),
+                     "MiB") for name, key in who]
+    results += [Note(GROUP, f"s={seq} d={head_dim}: peak memory of one forward+backward, {name}",
+                     round(peaks[key] / MIB, 2), "MiB") for name, key in who]
     return results
 
 

@@ -4,7 +4,8 @@
   against its own target, one panel per benchmark group. The verdict is given by marker, colour and text;
   informational rows are not drawn (they are not targets).
 - ``docs/img/bench-attention.svg``: attention time per call, forward+backward and forward alone, and the bytes
-  autograd holds for the backward (what :mod:`bench.attention` measures; not a peak), against sequence length.
+  autograd holds for the backward, and the peak memory of one forward+backward (both what
+  :mod:`bench.attention` measures), against sequence length.
 
 matplotlib is imported only to draw (:func:`write`): ``python -m bench`` and the Markdown tables do not need it.
 The SVGs are deterministic (fixed hash salt, no date, text kept as text with matplotlib's bundled font metrics),
@@ -59,6 +60,7 @@ _CONTENDER_STYLE: dict[str, dict[str, Any]] = {  # colour, marker and line style
     _MEGATRON: {"color": "#CC79A7", "marker": "^", "linestyle": ":"},
 }
 _MODES = {"fwd+bwd": "forward+backward", "fwd": "forward only (no_grad)"}
+_MEMORIES = {"saved": "bytes held for backward", "peak": "peak memory of forward+backward"}
 
 
 def judged_by_group(document: dict) -> dict[str, list[dict]]:
@@ -69,7 +71,8 @@ def judged_by_group(document: dict) -> dict[str, list[dict]]:
 
 def attention_series(document: dict) -> dict[tuple[int, int], dict[str, Any]]:
     """Per (head dim, heads) of the attention group: ``time[mode][contender][seq]`` in seconds (each
-    contender's geometric mean over the rounds) and ``saved[contender][seq]`` in bytes held for backward.
+    contender's geometric mean over the rounds), ``saved[contender][seq]`` in bytes held for backward and
+    ``peak[contender][seq]`` in bytes at the peak of one forward+backward.
 
     Only what the rows record; a contender or length missing from the results is missing here too.
     """
@@ -78,13 +81,14 @@ def attention_series(document: dict) -> dict[tuple[int, int], dict[str, Any]]:
         case = _CASE.search(row["case"]) if row["group"] == "attention" else None
         if case is None:
             continue
-        panel = series.setdefault((int(case["head_dim"]), int(case["heads"])), {"time": {}, "saved": {}})
+        panel = series.setdefault((int(case["head_dim"]), int(case["heads"])), {"time": {}, "saved": {}, "peak": {}})
         seq, times = int(case["seq"]), panel["time"].setdefault(case["mode"], {})
-        for who, seconds, saved in ((row["subject"], row["subject_seconds"], "subject_saved_bytes"),
-                                    (row["peer"], row["peer_seconds"], "peer_saved_bytes")):
+        for who, seconds, side in ((row["subject"], row["subject_seconds"], "subject"),
+                                   (row["peer"], row["peer_seconds"], "peer")):
             times.setdefault(who, {})[seq] = seconds
-            if saved in row["details"]:
-                panel["saved"].setdefault(who, {})[seq] = row["details"][saved]
+            for memory in ("saved", "peak"):
+                if f"{side}_{memory}_bytes" in row["details"]:
+                    panel[memory].setdefault(who, {})[seq] = row["details"][f"{side}_{memory}_bytes"]
     return dict(sorted(series.items()))
 
 
@@ -99,8 +103,9 @@ def plots(document: dict) -> dict[str, str]:
                          f"text at the right give the verdict (met, missed, inconclusive)")
     if attention_series(document):
         found[ATTENTION] = ("Causal attention against sequence length, per head dimension: time per call for "
-                            "forward+backward and for the forward alone, and bytes held for the backward, for "
-                            "devshim's kernel (each layout), raw SDPA and Megatron's unfused DotProductAttention")
+                            "forward+backward and for the forward alone, bytes held for the backward and the peak "
+                            "memory of one forward+backward, for devshim's kernel (each layout), raw SDPA and "
+                            "Megatron's unfused DotProductAttention")
     return found
 
 
@@ -319,8 +324,10 @@ def draw_attention(document: dict) -> Figure:
 
     panels = attention_series(document)
     modes = [m for m in _MODES if any(m in p["time"] for p in panels.values())]
-    fig = Figure(figsize=(_WIDTH, 2.7 * (len(modes) + 1) + 1.3), layout="constrained")
-    axes = fig.subplots(len(modes) + 1, len(panels), squeeze=False, sharex="col")
+    memories = [m for m in _MEMORIES if any(p[m] for p in panels.values())]
+    rows = len(modes) + len(memories)
+    fig = Figure(figsize=(_WIDTH, 2.7 * rows + 1.3), layout="constrained")
+    axes = fig.subplots(rows, len(panels), squeeze=False, sharex="col")
     for column, ((head_dim, heads), panel) in enumerate(panels.items()):
         lengths = sorted({n for mode in panel["time"].values() for values in mode.values() for n in values})
         for row, mode in enumerate(modes):
@@ -328,13 +335,14 @@ def draw_attention(document: dict) -> Figure:
             _contender_lines(ax, panel["time"].get(mode, {}), 1e3)
             ax.set_title(f"head dim {head_dim}, {heads} heads: {_MODES[mode]}", loc="left")
             ax.set_ylabel("time per call (ms)")
-        ax = axes[-1, column]
-        _contender_lines(ax, _merge_equal(panel["saved"]), 1 / (1 << 20))
-        ax.set_title(f"head dim {head_dim}, {heads} heads: bytes held for backward", loc="left")
-        ax.set_ylabel("bytes held for backward (MiB)")
-        ax.set_xlabel("sequence length (tokens, log scale)")
-        # the memory rows name their own lines: layouts that hold the same bytes share one
-        ax.legend(fontsize=7, frameon=False)
+        for row, memory in enumerate(memories, start=len(modes)):
+            ax = axes[row, column]
+            _contender_lines(ax, _merge_equal(panel[memory]), 1 / (1 << 20))
+            ax.set_title(f"head dim {head_dim}, {heads} heads: {_MEMORIES[memory]}", loc="left")
+            ax.set_ylabel(f"{_MEMORIES[memory]} (MiB)")
+            # the memory rows name their own lines: layouts that hold the same bytes share one
+            ax.legend(fontsize=7, frameon=False)
+        axes[-1, column].set_xlabel("sequence length (tokens, log scale)")
         for ax in axes[:, column]:
             _log2_sequence_axis(ax, lengths)
             ax.tick_params(axis="x", labelbottom=True)
@@ -349,8 +357,9 @@ def draw_attention(document: dict) -> Figure:
     # constrained layout stacks the title above the panels but not a footnote under the legend: both lines up here
     fig.suptitle(_text(f"Causal attention, fp32, batch 1, each kernel timed alone (run of {document['date']})\n"
                        f"time: each contender's geometric mean over the rounds; bytes held for backward: the "
-                       f"storages autograd saves\nin one forward, without the inputs' (bench/attention.py), not "
-                       f"a peak-memory figure"), fontsize=8.5)
+                       f"storages autograd saves\nin one forward, without the inputs'; peak: the most the host "
+                       f"allocator held above its start during one forward+backward (bench/attention.py)"),
+                 fontsize=8.5)
     return fig
 
 
