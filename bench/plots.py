@@ -60,7 +60,7 @@ _CONTENDER_STYLE: dict[str, dict[str, Any]] = {  # colour, marker and line style
     _MEGATRON: {"color": "#CC79A7", "marker": "^", "linestyle": ":"},
 }
 _MODES = {"fwd+bwd": "forward+backward", "fwd": "forward only (no_grad)"}
-_MEMORIES = {"saved": "bytes held for backward", "peak": "peak memory of forward+backward"}
+_MEMORIES = {"saved": "bytes held for backward", "peak": "peak, forward+backward"}
 
 
 def judged_by_group(document: dict) -> dict[str, list[dict]]:

@@ -121,13 +121,15 @@ def test_the_attention_series_are_what_the_rows_and_notes_record():
     assert set(series) == {(64, 8), (128, 4)}
     for (head_dim, _), panel in series.items():
         assert set(panel["time"]) == {"fwd+bwd", "fwd"}
-        for who, held in panel["saved"].items():
-            assert sorted(held) == [512, 1024, 2048], who
+        for memory in ("saved", "peak"):
+            for who, held in panel[memory].items():
+                assert sorted(held) == [512, 1024, 2048], (memory, who)
         # the rounded MiB notes bench/attention.py writes agree with the exact bytes the plot draws
         for note in (n for n in RESULTS["notes"] if n["name"].startswith("s=") and f" d={head_dim}:" in n["name"]):
             seq = int(note["name"].split()[0].removeprefix("s="))
             who = note["name"].rsplit(", ", 1)[1].replace("devshim (", "devshim attention (")
-            assert round(panel["saved"][who][seq] / MIB, 2) == note["value"], note["name"]
+            memory = "peak" if "peak memory" in note["name"] else "saved"
+            assert round(panel[memory][who][seq] / MIB, 2) == note["value"], note["name"]
     row = next(r for r in RESULTS["comparisons"] if r["case"] == "causal fp32 s=1024 d=128 1x4h fwd+bwd")
     assert series[(128, 4)]["time"]["fwd+bwd"][row["subject"]][1024] == row["subject_seconds"]
     assert series[(128, 4)]["time"]["fwd+bwd"][row["peer"]][1024] == row["peer_seconds"]
@@ -139,7 +141,7 @@ def test_the_attention_plot_calls_its_memory_figure_what_it_is(rendered):
     assert {"512", "1024", "2048"} <= set(texts)
     # a peak is only ever the measured peak of a forward+backward, drawn only where the results have one
     has_peaks = any("subject_peak_bytes" in r["details"] for r in RESULTS["comparisons"] if r["group"] == "attention")
-    assert ("peak memory of forward+backward (MiB)" in texts) == has_peaks
+    assert ("peak, forward+backward (MiB)" in texts) == has_peaks
     assert all("forward+backward" in t for t in texts if "peak" in t.lower())
 
 
