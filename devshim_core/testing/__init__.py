@@ -44,8 +44,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def plugin_under_test(config: pytest.Config) -> str | None:
     """The plugin named by ``--devshim-plugin`` or the ini option, or ``None`` (the kit is off)."""
-    name = config.getoption(OPTION) or config.getini(INI)
-    return str(name).strip() or None if name else None
+    name = str(config.getoption(OPTION) or config.getini(INI) or "").strip()
+    return name or None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,11 +53,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if name is None:
         return
     config.addinivalue_line("markers", "devshim_kit: a test of devshim's conformance kit")
-    suite = sorted(str(path) for path in SUITE.glob("test_*.py"))  # explicit files: collected whatever python_files
+    # the directory, not its files: node ids are then relative to it (test_kernels.py::...), where a file given
+    # alone would have an empty path; the suite is a package, so its modules never clash with a vendor's
     if config.args_source == pytest.Config.ArgsSource.ARGS:
-        config.args.extend(suite)
+        config.args.append(str(SUITE))
     else:  # testpaths or the current directory: the vendor asked for the kit, not for its own tests
-        config.args[:] = suite
+        config.args[:] = [str(SUITE)]
     os.environ["DEVSHIM_PLUGIN"] = name  # the jobs the kit launches select the same plugin
     _activate(name)
 
@@ -73,6 +74,12 @@ def _activate(name: str) -> None:
     if info.plugin != name:  # an activation earlier in this process (a conftest) chose another plugin
         raise pytest.UsageError(f"devshim was already active with plugin {info.plugin!r} in this process before the "
                                 f"kit could force {name!r}; remove the earlier `import devshim_core.auto`")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    if plugin_under_test(config) is not None and not any(SUITE in item.path.parents for item in items):
+        raise pytest.UsageError(f"devshim's conformance kit collected none of its tests from {SUITE}: does the "
+                                "ini option python_files exclude its test_*.py files?")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

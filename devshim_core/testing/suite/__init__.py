@@ -1,0 +1,1 @@
+"""The conformance kit's checks; collected by ``pytest --devshim-plugin=NAME``."""
