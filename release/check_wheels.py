@@ -5,8 +5,9 @@ sdist, a start-up ``.pth`` that pip does not install or uninstall, metadata a wh
 that only the development venv happens to have. This script builds each distribution with ``python -m build``
 (the sdist, then the wheel from that sdist, in isolated build environments), installs the wheels, not editable,
 with the ``deepspeed`` extra into a new venv, and checks there: where the packages are imported from, each
-distribution's metadata, ``devshim info``, the ``DEVSHIM_AUTO`` start-up switch, the 2-rank DeepSpeed demo, and
-that uninstalling devshim-core removes the switch. pip's cache is reused, so a second run is faster.
+distribution's metadata, ``devshim info``, the ``DEVSHIM_AUTO`` start-up switch, the 2-rank DeepSpeed demo, the
+conformance kit (``pytest --devshim-plugin=cpu_reference``), and that uninstalling devshim-core removes the switch.
+pip's cache is reused, so a second run is faster.
 
     python release/check_wheels.py [--keep DIR]
 
@@ -31,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from xml.etree import ElementTree
 
 import tomllib
 from packaging.requirements import Requirement
@@ -496,6 +498,28 @@ def check_demo(venv: Venv, logs: Path, cwd: Path) -> str:
     return f"2 ranks, loss {report['losses'][0]:.3f} -> {report['losses'][-1]:.3f}, nothing JIT-compiled"
 
 
+def check_conformance_kit(venv: Venv, logs: Path, cwd: Path) -> str:
+    """devshim's conformance kit as a vendor runs it on an installed devshim-core: pytest finds it through the
+    wheel's pytest11 entry point, and its suite and job scripts are in the wheel. megatron-core is not installed
+    here (only the deepspeed extra), so the Megatron job is skipped, saying so."""
+    run([str(venv.python), "-m", "pip", "install", "--quiet", dev_pin("pytest"), "-c", str(ROOT / "constraints.txt")],
+        log=logs / "kit-install.log", cwd=cwd, env=clean_env(), timeout=600)
+    report = cwd / "kit.xml"
+    run([str(venv.python), "-m", "pytest", "--devshim-plugin=cpu_reference", "-p", "no:cacheprovider", "-q",
+         f"--junitxml={report}"], log=logs / "kit.log", cwd=cwd, env=clean_env(DEVSHIM_CPU_DEVICE_COUNT="2"),
+        timeout=DEMO_TIMEOUT)
+    suite = ElementTree.parse(report).getroot().find("testsuite")
+    assert suite is not None
+    cases = suite.findall("testcase")
+    ran = {c.get("name", "").split("[")[0] for c in cases if c.find("skipped") is None}
+    expect({"test_the_losses_and_final_parameters_match_one_host_process",
+            "test_the_accelerator_method_behaves_as_declared"} <= ran,
+           f"the kit did not run its DeepSpeed checks from the wheel; it ran {sorted(ran)}")
+    skips = sorted({skip.get("message", "") for c in cases if (skip := c.find("skipped")) is not None})
+    skipped = sum(1 for c in cases if c.find("skipped") is not None)
+    return f"{len(cases) - skipped} passed, {skipped} skipped: {'; '.join(skips)}"
+
+
 def check_uninstall(venv: Venv, facts: dict[str, Any], logs: Path, cwd: Path) -> str:
     site_packages = [Path(p) for p in facts["site_packages"]]
     expect(any((p / PTH).is_file() for p in site_packages), f"{PTH} is not in site-packages after install")
@@ -548,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         checks.run("devshim info --json", lambda: check_info(venv, distributions, logs, scratch))
         checks.run("DEVSHIM_AUTO start-up switch", lambda: check_startup_switch(venv, logs, scratch))
         checks.run("2-rank DeepSpeed demo", lambda: check_demo(venv, logs, scratch))
+        checks.run("conformance kit from the wheel", lambda: check_conformance_kit(venv, logs, scratch))
         checks.run(f"pip uninstall {CORE} removes {PTH}", lambda: check_uninstall(venv, facts, logs, scratch))
     except Aborted as aborted:
         print(f"   (stopped: the checks after '{aborted}' depend on it)")
