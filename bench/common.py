@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.stats import Estimate, paired_ratio, verdict
+from devshim_core.testing.launch import free_port  # noqa: F401  (re-exported: one rendezvous-port rule for tests, kit, benches)
 
 
 def environment_without_devshim() -> dict[str, str]:
@@ -42,11 +42,6 @@ def only_the_upstream_exit_abort(returncode: int | None, stderr: str) -> bool:
     return -6 in codes and codes <= {-6, -15}
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback interface now, for a contender's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def largest_relative_difference(values: list[float], reference: list[float]) -> float:
