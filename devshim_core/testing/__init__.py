@@ -52,7 +52,6 @@ def pytest_configure(config: pytest.Config) -> None:
     name = plugin_under_test(config)
     if name is None:
         return
-    config.addinivalue_line("markers", "devshim_kit: a test of devshim's conformance kit")
     # the directory, not its files: node ids are then relative to it (test_kernels.py::...), where a file given
     # alone would have an empty path; the suite is a package, so its modules never clash with a vendor's
     if config.args_source == pytest.Config.ArgsSource.ARGS:
