@@ -22,8 +22,9 @@ a kernel timed in isolation. Before timing, each peer is checked to compute devs
 magnitude). Target for every row: devshim no slower than the peer (time ratio <= 1.0).
 
 Sizes: LLaMA-7B-like activations, 4096 tokens x hidden 4096 (swiglu: 2 x 4096 in; rotary: 32 heads of 128),
-and 8192 tokens x hidden 2048 (rms_norm there without weight); fp32 and bf16. About 3.5 minutes on 2 cores with
-inductor's cache warm (about 30 s more cold).
+and 8192 tokens x hidden 2048 (rms_norm there without weight); rotary also at 512 tokens x 4 heads of 64 (one
+tensor-parallel rank of ``bench/megatron_step.py``'s model, where ``rotary``'s small-tensor threshold matters);
+fp32 and bf16. About 3.5 minutes on 2 cores with inductor's cache warm (about 30 s more cold).
 """
 
 from __future__ import annotations
@@ -99,10 +100,10 @@ def _cases(quick: bool) -> list[tuple[str, Make]]:
     def glu(rows: int, width: int) -> Make:
         return lambda dtype: ((torch.randn(rows, 2 * width, dtype=dtype),), K.swiglu, plain_swiglu)
 
-    def rope(interleaved: bool) -> Make:
+    def rope(interleaved: bool, rows: int = tokens, count: int = heads, width: int = head_dim) -> Make:
         def make(dtype: torch.dtype) -> tuple[tuple[Tensor, ...], Callable[..., Tensor], Callable[..., Tensor]]:
-            x = torch.randn(tokens, 1, heads, head_dim, dtype=dtype)  # SBND, as Megatron applies it
-            angles = torch.randn(tokens, 1, 1, head_dim // 2)
+            x = torch.randn(rows, 1, count, width, dtype=dtype)  # SBND, as Megatron applies it
+            angles = torch.randn(rows, 1, 1, width // 2)
             angles = angles.repeat_interleave(2, -1) if interleaved else torch.cat((angles, angles), -1)
             cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
             return ((x,), lambda x: K.rotary(x, cos, sin, interleaved=interleaved),
@@ -110,11 +111,13 @@ def _cases(quick: bool) -> list[tuple[str, Make]]:
         return make
 
     rope_size = f"{tokens}x1x{heads}x{head_dim}"
+    shard = (32, 2, 32) if quick else (512, 4, 64)  # a TP-2 shard of bench/megatron_step.py's attention
     return [(f"rms_norm {tokens}x{hidden}", norm(tokens, hidden, True)),
             (f"rms_norm no-weight {long_tokens}x{narrow}", norm(long_tokens, narrow, False)),
             (f"swiglu {tokens}x2*{hidden}", glu(tokens, hidden)),
             (f"swiglu {long_tokens}x2*{narrow}", glu(long_tokens, narrow)),
-            (f"rotary half {rope_size}", rope(False)), (f"rotary interleaved {rope_size}", rope(True))]
+            (f"rotary half {rope_size}", rope(False)), (f"rotary interleaved {rope_size}", rope(True)),
+            ("rotary half {}x1x{}x{}".format(*shard), rope(False, *shard))]
 
 
 def check_match(ours: Callable[..., Tensor], peer: Callable[..., Tensor], leaves: tuple[Tensor, ...], grad: Tensor,

@@ -7,11 +7,13 @@ thread each, at ``--tp 2 --hidden 512 --heads 8 --seq 512 --layers 2 --micro-bat
 --vocab 1024`` (data-parallel size 1: two micro-batches per step):
 
 - ``fused``: ``--fused`` with devshim's Megatron integration on (the default). Attention, RMSNorm, SwiGLU,
-  rotary and gradient-accumulation fusion run the plugin's kernels.
+  rotary, gradient-accumulation fusion and Adam (Megatron's ``FusedAdam`` path) run the plugin's kernels;
+  gradient clipping runs apex's multi-tensor ops as foreach ops.
 - ``redirect``: ``--no-fused`` with ``DEVSHIM_PATCH_MEGATRON=0``: the CUDA redirect alone, so Megatron runs
   its own unfused local paths (``baddbmm`` + softmax + ``bmm`` attention, ``torch.nn.RMSNorm``, SwiGLU as
-  two ops, its own rotary, plain weight-gradient accumulation). ``--no-fused`` alone is not that peer: with
-  the integration on, devshim's attention, norm and rotary patches apply whatever the flags say.
+  two ops, its own rotary, plain weight-gradient accumulation, ``torch.optim.AdamW``, its per-tensor
+  ``local_multi_tensor_*`` clipping). ``--no-fused`` alone is not that peer: with the integration on,
+  devshim's attention, norm, rotary and Adam patches apply whatever the flags say.
 
 Each run's report names the implementation each path resolved to, and the benchmark refuses a run whose
 paths are not its contender's. The statistic and the number of rounds were fixed before any timing was taken:
@@ -58,6 +60,7 @@ CONTENDERS = {  # name -> (driver flag, environment on top of the plain one)
     "redirect": ("--no-fused", {"DEVSHIM_PATCH_MEGATRON": "0"}),
 }
 DEVSHIM_PATHS = "devshim_core.integrations.megatron.fused_ops."
+DEVSHIM_ADAM = "devshim_core.integrations.megatron.fused_adam.FusedAdam"
 
 
 def _check_paths(contender: str, paths: dict[str, Any]) -> None:
@@ -66,9 +69,11 @@ def _check_paths(contender: str, paths: dict[str, Any]) -> None:
     if paths["device"] != "cpu" or not str(paths["cuda_redirect"]).startswith("applied"):
         raise RuntimeError(f"the {contender} run did not run on cpu_reference through the redirect: {paths}")
     if contender == "fused":
-        ok = all(p.startswith(DEVSHIM_PATHS) for p in routed) and "DeviceRMSNorm" in paths["norm_classes"]
+        ok = (all(p.startswith(DEVSHIM_PATHS) for p in routed) and "DeviceRMSNorm" in paths["norm_classes"]
+              and paths["optimizers"] == [DEVSHIM_ADAM])
     else:
         ok = (not any(p.startswith("devshim") for p in routed) and "RMSNorm" in paths["norm_classes"]
+              and paths["optimizers"] == ["torch.optim.adamw.AdamW"]
               and str(paths["megatron_integration"]).startswith("skipped"))
     if not ok:
         raise RuntimeError(f"the {contender} run resolved the wrong paths: {paths}")

@@ -39,7 +39,7 @@ def _where(fn: object) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
 
 
-def _paths(chunks: list[torch.nn.Module]) -> dict[str, object]:
+def _paths(chunks: list[torch.nn.Module], optimizer: object) -> dict[str, object]:
     from megatron.core.fusions import fused_bias_swiglu
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -52,6 +52,7 @@ def _paths(chunks: list[torch.nn.Module]) -> dict[str, object]:
             "norm_classes": norms,
             "bias_swiglu_impl": _where(fused_bias_swiglu.bias_swiglu_impl),
             "rotary_bshd": _where(rope_utils._apply_rotary_pos_emb_bshd),
+            "optimizers": megatron_gpt.optimizer_classes(optimizer),
             "megatron_integration": session.integrations.get("megatron") if session else None,
             "cuda_redirect": session.integrations.get("cuda-redirect") if session else None,
             "device": str(torch.empty(0, device="cuda").device)}
@@ -81,7 +82,7 @@ def main() -> None:
     chunks = megatron_gpt.build_model(o, config)
     chunks = megatron_gpt.wrap(o, config, chunks)
     optimizer = megatron_gpt.optimizer_for(o, chunks)
-    paths = _paths(chunks)
+    paths = _paths(chunks, optimizer)
     torch.cuda.reset_peak_memory_stats()
     step_seconds, losses = [], []
     op_self_seconds: dict[str, float] = {}

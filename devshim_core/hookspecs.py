@@ -133,7 +133,8 @@ def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels | None:
     Return: an :class:`OptimizerKernels`; any field may be ``None``. Without ``fused_adamw`` DeepSpeed's
     FusedAdam, and without ``host_adam_step`` its DeepSpeedCPUAdam, cannot be created: the op builder's
     ``load()`` raises a RuntimeError naming the plugin (DeepSpeedCPUAdam raises its own from it) and
-    nothing is compiled. ``None`` overall means all three are absent. Without ``host_adam_rollback``, the
+    nothing is compiled; Megatron's ``optimizer='adam'`` runs ``fused_adamw`` as its FusedAdam, and without it
+    keeps ``torch.optim.AdamW``. ``None`` overall means all three are absent. Without ``host_adam_rollback``, the
     ``cpu_adam`` op's ``adam_rollback`` raises a KernelCallError naming the missing kernel. ``host_adam_step``
     must accept ``param_copy``: ZeRO-Offload's bf16/fp16 step passes the host buffer of the device copy, to
     be written bit for bit as ``Tensor.to`` converts, in the same pass.

@@ -163,6 +163,14 @@ def optimizer_for(o: Options, chunks: list[DistributedDataParallel]) -> Any:
         use_distributed_optimizer=o.distributed_optimizer, params_dtype=torch.float32), chunks)
 
 
+def optimizer_classes(optimizer: Any) -> list[str]:
+    """The torch optimizers under Megatron's wrappers (chained, mixed precision, distributed), by class path: which
+    Adam Megatron built (TE's or apex's FusedAdam on CUDA, the plugin's under devshim, else torch's AdamW)."""
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return sorted({f"{type(inner).__module__}.{type(inner).__qualname__}"
+                   for inner in (getattr(wrapper, "optimizer", wrapper) for wrapper in chained)})
+
+
 # -- data and steps ----------------------------------------------------------------------------------------
 
 

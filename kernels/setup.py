@@ -1,9 +1,10 @@
 """Builds the optional native libraries (plain C, loaded with ctypes) when the distribution is installed: the host
-Adam kernel and the asynchronous file I/O pool.
+Adam kernel, the row-wise fp32 RMSNorm/SwiGLU kernels and the asynchronous file I/O pool.
 
 Everything else is declared in pyproject.toml. If there is no C compiler, or a build fails, the package still
-installs: ``devshim_kernels.adam`` runs on PyTorch (``devshim_kernels.adam.implementation()`` says which), and
-``devshim_kernels.file_io`` says why it is unavailable. Both are compiled here, ahead of time, never at run time.
+installs: ``devshim_kernels.adam``, ``.norm`` and ``.glu`` run on PyTorch (``devshim_kernels.adam.implementation()``
+says which), and ``devshim_kernels.file_io`` says why it is unavailable. All are compiled here, ahead of time, never
+at run time.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ setup(
         Extension("devshim_kernels._native._adam", sources=["devshim_kernels/_native/adam.c"], optional=True,
                   export_symbols=["devshim_adam_abi_version", "devshim_adam_best_isa", "devshim_adam_has_threads",
                                   "devshim_adam_step"]),
+        Extension("devshim_kernels._native._rowwise", sources=["devshim_kernels/_native/rowwise.c"], optional=True,
+                  export_symbols=["devshim_rowwise_abi_version", "devshim_rms_norm_forward",
+                                  "devshim_rms_norm_backward", "devshim_swiglu_forward", "devshim_swiglu_backward"]),
         Extension("devshim_kernels._native._aio", sources=["devshim_kernels/_native/aio.c"], optional=True,
                   export_symbols=["devshim_aio_abi_version", "devshim_aio_create", "devshim_aio_threads",
                                   "devshim_aio_submit", "devshim_aio_wait", "devshim_aio_destroy"]),

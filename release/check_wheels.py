@@ -58,7 +58,8 @@ LAYOUT: dict[str, tuple[str, ...]] = {
 # a wheel without these silently falls back to PyTorch or Python code: a release must carry them
 NATIVE_LIBRARIES: dict[str, tuple[str, ...]] = {
     CORE: ("devshim_core/integrations/cuda_redirect/_native.",),
-    "devshim-kernels": ("devshim_kernels/_native/_adam.", "devshim_kernels/_native/_aio."),
+    "devshim-kernels": ("devshim_kernels/_native/_adam.", "devshim_kernels/_native/_rowwise.",
+                        "devshim_kernels/_native/_aio."),
 }
 PLUGINS = ("cpu_reference", "ascend", "sophgo")
 DEMO_STEPS = 5

@@ -25,13 +25,14 @@ for _name in _DEVSHIM_SWITCHES:
 
 
 def native_libraries_missing() -> list[str]:
-    """Why each native library devshim builds at install (host Adam, file I/O, CUDA-redirect wrappers) is not
-    usable here; empty when all three load."""
+    """Why each native library devshim builds at install (host Adam, row-wise kernels, file I/O, CUDA-redirect
+    wrappers) is not usable here; empty when all four load."""
     from devshim_kernels import _native, file_io
+    from devshim_kernels._native import rowwise
 
     from devshim_core.integrations.cuda_redirect import wrappers
 
-    missing = [reason for reason in (_native.REASON, file_io.REASON) if reason]
+    missing = [reason for reason in (_native.REASON, rowwise.REASON, file_io.REASON) if reason]
     if not wrappers.NATIVE:
         missing.append("devshim_core.integrations.cuda_redirect._native did not import")
     return missing

@@ -115,15 +115,19 @@ def test_the_megatron_step_benchmark_refuses_a_run_on_the_wrong_paths():
              "bias_swiglu_impl": "devshim_core.integrations.megatron.fused_ops._bias_swiglu_impl.<locals>.f",
              "rotary_bshd": "devshim_core.integrations.megatron.fused_ops._rotary_bshd.<locals>.f",
              "norm_classes": ["DeviceRMSNorm", "IdentityOp"], "megatron_integration": "applied",
+             "optimizers": ["devshim_core.integrations.megatron.fused_adam.FusedAdam"],
              "cuda_redirect": "applied (...)", "device": "cpu"}
     unfused = {**fused,
                "attention_forward": "megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
                "bias_swiglu_impl": "megatron.core.fusions.fused_bias_swiglu.bias_swiglu_impl",
                "rotary_bshd": "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",
-               "norm_classes": ["IdentityOp", "RMSNorm"], "megatron_integration": "skipped: DEVSHIM_PATCH_MEGATRON=0"}
+               "norm_classes": ["IdentityOp", "RMSNorm"], "megatron_integration": "skipped: DEVSHIM_PATCH_MEGATRON=0",
+               "optimizers": ["torch.optim.adamw.AdamW"]}
     _check_paths("fused", fused)
     _check_paths("redirect", unfused)
-    for contender, paths in (("fused", unfused), ("redirect", fused), ("redirect", {**unfused, "device": "npu:0"})):
+    for contender, paths in (("fused", unfused), ("redirect", fused), ("redirect", {**unfused, "device": "npu:0"}),
+                             ("fused", {**fused, "optimizers": unfused["optimizers"]}),
+                             ("redirect", {**unfused, "optimizers": fused["optimizers"]})):
         with pytest.raises(RuntimeError, match=contender):
             _check_paths(contender, paths)
 

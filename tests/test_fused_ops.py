@@ -1,5 +1,6 @@
 """rms_norm, swiglu and rotary: each custom autograd Function against the math written out (fp64), forward and
-backward, in fp32 and bf16, for contiguous and strided inputs; gradcheck in fp64."""
+backward, in fp32 and bf16, for contiguous and strided inputs; gradcheck in fp64. Every test runs twice: with the
+native row-wise kernels (which serve the contiguous fp32 cases of rms_norm and swiglu) and without them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from devshim_kernels import glu, norm, rope
+from devshim_kernels._native import rowwise
 
 OP_MODULES = (norm, rope, glu)
 
@@ -20,12 +22,16 @@ def randn(*shape, dtype=torch.float32, seed=0, grad=True):
     return t.requires_grad_(grad)
 
 
-@pytest.fixture(autouse=True)
-def custom_functions_at_every_size(monkeypatch):
+@pytest.fixture(autouse=True, params=["native", "torch-ops"])
+def custom_functions_at_every_size(request, monkeypatch):
     """Tensors below MIN_CUSTOM_NUMEL take the plain expression; these small test tensors must exercise the
     custom autograd Functions, so the threshold is lifted (the plain path has its own test at the end)."""
     for module in OP_MODULES:
         monkeypatch.setattr(module, "MIN_CUSTOM_NUMEL", 0)
+    if request.param == "native" and rowwise.LIBRARY is None:
+        pytest.skip(f"the native row-wise kernels are not built: {rowwise.REASON}")
+    if request.param == "torch-ops":
+        monkeypatch.setattr(rowwise, "LIBRARY", None)
 
 
 def assert_close_to(got, want, dtype):
@@ -243,6 +249,7 @@ def test_rotary_refuses_tables_that_do_not_fit_x(cos_shape, sin_shape, message):
 
 @pytest.mark.parametrize("op", ["rms_norm", "swiglu", "rotary-half", "rotary-interleaved"])
 def test_small_tensors_take_the_plain_expression_with_the_same_result(op, monkeypatch):
+    monkeypatch.setattr(rowwise, "LIBRARY", None)  # which serves small host fp32 tensors too (the next tests)
     x, w = randn(4, 3, 16), randn(16, seed=1)
     freqs = angles(4, 16, op.endswith("interleaved"))[:, None]
     call = {"rms_norm": lambda x: K.rms_norm(x, w, 1e-6), "swiglu": K.swiglu,
@@ -257,3 +264,47 @@ def test_small_tensors_take_the_plain_expression_with_the_same_result(op, monkey
     assert isinstance(custom.grad_fn, custom_node) and not isinstance(plain.grad_fn, custom_node)
     torch.testing.assert_close(plain, custom)
     torch.testing.assert_close(torch.autograd.grad(plain.sum(), x)[0], custom_grad)
+
+
+NATIVE_NODES = {"rms_norm": "_NativeRMSNormBackward", "swiglu": "_NativeSwiGLUBackward"}
+
+
+@pytest.fixture
+def native() -> None:
+    if rowwise.LIBRARY is None:  # the torch-ops run of the module, or a build without the library
+        pytest.skip("no native row-wise kernels in this run")
+
+
+def _native_op(op: str, x: torch.Tensor) -> torch.Tensor:
+    return K.rms_norm(x, torch.ones(x.shape[-1], dtype=x.dtype), 1e-6) if op == "rms_norm" else K.swiglu(x)
+
+
+@pytest.mark.skipif(rowwise.LIBRARY is None, reason=f"the native row-wise kernels are not built: {rowwise.REASON}")
+@pytest.mark.parametrize("op", ["rms_norm", "swiglu"])
+def test_host_fp32_contiguous_tensors_take_the_native_kernels_where_one_thread_serves_them(op, native, monkeypatch):
+    big = randn(256, 256)  # above the size aten splits over threads
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert type(_native_op(op, big).grad_fn).__name__ == NATIVE_NODES[op]
+        torch.set_num_threads(2)
+        assert type(_native_op(op, big).grad_fn).__name__ != NATIVE_NODES[op]  # torch's threads serve it better
+        assert type(_native_op(op, randn(64, 128)).grad_fn).__name__ == NATIVE_NODES[op]  # one thread either way
+        for other in (randn(64, 128, dtype=torch.bfloat16), randn(128, 64).t()):  # another dtype, strided
+            assert type(_native_op(op, other).grad_fn).__name__ != NATIVE_NODES[op]
+        monkeypatch.setenv("DEVSHIM_KERNELS_NATIVE", "0")  # the switch the host Adam honours too
+        assert type(_native_op(op, randn(64, 128)).grad_fn).__name__ != NATIVE_NODES[op]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(rowwise.LIBRARY is None, reason=f"the native row-wise kernels are not built: {rowwise.REASON}")
+def test_native_swiglu_saturates_as_torch_does_far_into_both_tails(native):
+    a = torch.tensor([-1e4, -200.0, -88.0, -87.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 88.0, 1e4])
+    x = torch.cat((a, torch.full_like(a, 3.0))).requires_grad_()
+    out = glu._NativeSwiGLU.apply(x)
+    torch.testing.assert_close(out, F.silu(a) * 3.0, atol=1e-30, rtol=1e-6)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    x_ref = x.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad((F.silu(x_ref[:11]) * x_ref[11:]).sum(), x_ref)
+    torch.testing.assert_close(grad, want, atol=1e-30, rtol=1e-6)

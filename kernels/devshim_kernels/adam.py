@@ -35,8 +35,7 @@ Tensor = torch.Tensor
 # param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad), param copy
 _Entry = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
 
-NATIVE_SWITCH = "DEVSHIM_KERNELS_NATIVE"  # "0": always PyTorch; "generic": the portable C loop (no SIMD variant)
-_OFF = ("0", "false", "no", "off", "torch")
+NATIVE_SWITCH, _OFF = _native.NATIVE_SWITCH, _native.OFF_VALUES
 # Elements per thread below which another thread costs about what it saves: a parallel region of torch's OpenMP
 # team (already started) costs microseconds, like one of torch's own ops; starting a pthread, tens of them.
 _MIN_ELEMENTS_PER_THREAD = {"torch's OpenMP threads": 1 << 15, "pthreads": 1 << 17, "no threads": 1 << 62}

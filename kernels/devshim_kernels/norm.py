@@ -1,6 +1,7 @@
 """RMSNorm whose forward and hand-written backward each allocate a single full-size tensor.
 
-On CPU the cost of the plain expression is dominated by its temporaries: every full-size tensor above
+Contiguous fp32 on the host, single-threaded, runs the native one-pass kernels of ``_native/rowwise.c``. Elsewhere:
+on CPU the cost of the plain expression is dominated by its temporaries: every full-size tensor above
 glibc's mmap threshold (32 MiB at most) is a fresh mapping whose pages fault in on first touch, which costs
 more than the arithmetic. Here the work runs over row blocks small enough that the fp32 temporaries stay in
 cache and are recycled by malloc; the only large allocations are the output and the input gradient.
@@ -9,6 +10,8 @@ cache and are recycled by malloc; the only large allocations are the output and 
 from __future__ import annotations
 
 import torch
+
+from devshim_kernels._native import rowwise
 
 Tensor = torch.Tensor
 _BLOCK_ELEMENTS = 1 << 18  # ~1 MiB of fp32 per temporary: fits L2, below the mmap threshold
@@ -25,6 +28,8 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float = 1e-6) -> Tensor:
     has ``x``'s dtype promoted with ``weight``'s. Differentiable in ``x`` and ``weight``."""
     if weight is not None and weight.shape != x.shape[-1:]:
         raise ValueError(f"weight of shape {tuple(weight.shape)} does not match the last dimension of {tuple(x.shape)}")
+    if rowwise.serves(x, weight):
+        return _NativeRMSNorm.apply(x, weight, eps)
     if x.numel() < MIN_CUSTOM_NUMEL:
         return _plain_rms_norm(x, weight, eps)
     return _RMSNorm.apply(x, weight, eps)
@@ -107,3 +112,31 @@ class _RMSNorm(torch.autograd.Function):
         grad_x = dx.view(grad.shape) if dx is not None else None
         grad_w = dw.view(width).to(weight.dtype) if dw is not None else None
         return grad_x, grad_w, None
+
+
+class _NativeRMSNorm(torch.autograd.Function):
+    """The same formula on ``_native/rowwise.c``: one pass per row forward, one backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+        width = x.shape[-1]
+        rows = x.numel() // width if width else 0
+        out = torch.empty_like(x)
+        rstd = torch.empty(rows, dtype=torch.float32)
+        rowwise.LIBRARY.devshim_rms_norm_forward(x.data_ptr(), rowwise.address(weight), out.data_ptr(),
+                                                 rstd.data_ptr(), rows, width, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, weight, rstd = ctx.saved_tensors
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and weight is not None
+        grad = grad.contiguous()
+        dx = torch.empty_like(x) if want_x else None
+        dw = torch.zeros(x.shape[-1], dtype=torch.float32) if want_w else None
+        rowwise.LIBRARY.devshim_rms_norm_backward(x.data_ptr(), rowwise.address(weight), rstd.data_ptr(),
+                                                  grad.data_ptr(), rowwise.address(dx), rowwise.address(dw),
+                                                  rstd.numel(), x.shape[-1])
+        return dx, dw, None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from devshim_kernels.shapes import broadcasts_to
+
 Tensor = torch.Tensor
 MASKED_FILL = -10000.0  # Megatron's attention_mask_func and its CUDA kernels
 
@@ -40,7 +42,7 @@ def _masked_positions(scores: Tensor, mask: Tensor | None, causal: bool) -> Tens
     if mask is not None:
         if mask.is_floating_point():
             raise ValueError("masked_softmax takes a boolean mask (True = masked), not an additive float mask")
-        if not _broadcasts_to(mask.shape, scores.shape):
+        if not broadcasts_to(mask.shape, scores.shape):
             raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to scores {tuple(scores.shape)}")
         masked = mask if mask.dtype == torch.bool else mask != 0
     if causal:
@@ -48,13 +50,6 @@ def _masked_positions(scores: Tensor, mask: Tensor | None, causal: bool) -> Tens
         upper = torch.ones(s_q, s_k, dtype=torch.bool, device=scores.device).triu_(1)
         masked = upper if masked is None else masked | upper
     return masked
-
-
-def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
-    try:
-        return torch.broadcast_shapes(shape, target) == target
-    except RuntimeError:
-        return False
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

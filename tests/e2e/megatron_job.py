@@ -47,7 +47,8 @@ def reference(workdir: Path) -> dict:
     results = {}
     for model, options in (("dense", DENSE), ("moe", MOE)):
         run = example.run(dataclasses.replace(options, save_initial=initial(workdir, model)))
-        results[model] = {"losses": run["losses"], "grad_norms": run["grad_norms"]}
+        results[model] = {"losses": run["losses"], "grad_norms": run["grad_norms"],
+                          "optimizers": example.optimizer_classes(run["optimizer"])}
     return results
 
 
@@ -57,7 +58,8 @@ def parallel(workdir: Path, only: list[str] | None) -> dict:
         if only and name not in only:
             continue
         run = example.run(dataclasses.replace(options, load=initial(workdir, model)))
-        results[name] = {"losses": run["losses"], "grad_norms": run["grad_norms"]}
+        results[name] = {"losses": run["losses"], "grad_norms": run["grad_norms"],
+                         "optimizers": example.optimizer_classes(run["optimizer"])}
         if dist.get_rank() == 0:
             print(f"{name}: {run['losses']}", flush=True)
     if not only or "resume" in only:

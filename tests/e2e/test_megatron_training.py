@@ -24,6 +24,7 @@ pytestmark = pytest.mark.e2e
 JOB = Path(__file__).with_name("megatron_job.py")
 RTOL = 1e-5
 NORM_RTOL = 1e-4
+FUSED_ADAM = "devshim_core.integrations.megatron.fused_adam.FusedAdam"
 DENSE_LAYOUTS = ("tp2", "tp2_sp", "pp2_vpp2", "recompute_full", "recompute_selective", "distributed_optimizer",
                  "overlap_grad_reduce_param_gather")
 
@@ -69,6 +70,15 @@ def test_every_rank_ran_on_the_selected_plugin_device_and_backend(runs: tuple[Pl
         assert r["plugin"] == platform.plugin, r
         assert r["backend"] == platform.backend, r  # the script asked for nccl
         assert r["device"] == platform.device_of_rank(r["rank"]), r  # torch.cuda.set_device(LOCAL_RANK)
+
+
+def test_every_run_steps_on_the_plugins_fused_adam(runs: tuple[Platform, dict, dict]) -> None:
+    """optimizer='adam' gives Megatron the FusedAdam it takes from TE or apex on CUDA, on the plugin's kernel."""
+    _, reference, parallel = runs
+    built = {name: run["optimizers"] for results in (reference["results"], parallel["results"])
+             for name, run in results.items() if "optimizers" in run}
+    assert set(built) == {"dense", "moe", *DENSE_LAYOUTS, "moe_ep2"}, built
+    assert all(classes == [FUSED_ADAM] for classes in built.values()), built
 
 
 def test_the_single_rank_reference_learns(runs: tuple[Platform, dict, dict]) -> None:

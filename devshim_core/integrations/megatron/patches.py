@@ -118,7 +118,9 @@ def _checkpoint_steps(original: Any, device: Device) -> Any:
 
 
 def core_patches(device: Device) -> list[Patch]:
+    from devshim_core.integrations.megatron.fused_adam import optimizer_patches
     from devshim_core.integrations.megatron.fused_ops import fused_patches
+    from devshim_core.integrations.megatron.multi_tensor import multi_tensor_patches
 
     has_wgrad = getattr(device.attention, "wgrad_accumulate", None) is not None
     return [
@@ -183,6 +185,8 @@ def core_patches(device: Device) -> list[Patch]:
                      reason="with 2 pipeline ranks, untagged batched transfers pair activations with gradients "
                             "on gloo-staged backends (silently wrong interleaved-PP training); tag by direction"),
         *fused_patches(device),
+        *optimizer_patches(device),
+        *multi_tensor_patches(),
     ]
 
 

@@ -18,11 +18,18 @@ import os
 import pathlib
 from array import array
 
+NATIVE_SWITCH = "DEVSHIM_KERNELS_NATIVE"  # "0": always PyTorch; "generic": the host Adam's portable C loop
+OFF_VALUES = ("0", "false", "no", "off", "torch")
 ABI_VERSION = 1  # must equal DEVSHIM_ADAM_ABI in adam.c: a stale library from an older build is not used
 ISA_GENERIC, ISA_AVX2 = 0, 1
 ISA_NAMES = {ISA_GENERIC: "generic C", ISA_AVX2: "avx2+fma+f16c"}
 DT_F32, DT_BF16, DT_F16, DT_NONE = 0, 1, 2, 3
 FIELDS = 10  # int64 fields of adam.c's adam_tensor: numel, 6 addresses, 3 dtype codes
+
+
+def switched_off() -> bool:
+    """Whether ``DEVSHIM_KERNELS_NATIVE`` turns the native kernels off (read at each call: tests flip it)."""
+    return os.environ.get(NATIVE_SWITCH, "").strip().lower() in OFF_VALUES
 
 
 def library_path(stem: str) -> pathlib.Path | None:
