@@ -35,7 +35,7 @@ Tensor = torch.Tensor
 # param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad), param copy
 _Entry = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
 
-NATIVE_SWITCH, _OFF = _native.NATIVE_SWITCH, _native.OFF_VALUES
+NATIVE_SWITCH = _native.NATIVE_SWITCH
 # Elements per thread below which another thread costs about what it saves: a parallel region of torch's OpenMP
 # team (already started) costs microseconds, like one of torch's own ops; starting a pthread, tens of them.
 _MIN_ELEMENTS_PER_THREAD = {"torch's OpenMP threads": 1 << 15, "pthreads": 1 << 17, "no threads": 1 << 62}
@@ -46,10 +46,9 @@ _FUSABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 def _native_isa() -> int | None:
     """The native kernel variant to run, or ``None`` for the PyTorch implementation."""
-    setting = os.environ.get(NATIVE_SWITCH, "").strip().lower()
-    if _native.LIBRARY is None or setting in _OFF:
+    if _native.LIBRARY is None or _native.switched_off():
         return None
-    if setting == "generic":
+    if os.environ.get(NATIVE_SWITCH, "").strip().lower() == "generic":
         return _native.ISA_GENERIC
     # The portable loop is only on request: on x86 without AVX2 its fma is a call per element (3-4x slower than
     # PyTorch, measured), and elsewhere it has not been measured against PyTorch.
@@ -65,9 +64,8 @@ def implementation() -> str:
         return f"native ({_native.ISA_NAMES[isa]}, {threads} thread{'' if threads == 1 else 's'}: {_native.threads()})"
     if _native.LIBRARY is None:
         return f"torch ({_native.REASON})"
-    setting = os.environ.get(NATIVE_SWITCH, "")
-    if setting.strip().lower() in _OFF:
-        return f"torch ({NATIVE_SWITCH}={setting})"
+    if _native.switched_off():
+        return f"torch ({NATIVE_SWITCH}={os.environ[NATIVE_SWITCH]})"
     return (f"torch (the native kernel has no SIMD variant for this CPU; {NATIVE_SWITCH}=generic runs its "
             "slower portable loop)")
 

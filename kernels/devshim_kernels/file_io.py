@@ -14,23 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from devshim_kernels._native import library_path
+from devshim_kernels._native import open_library
 
 ABI_VERSION = 1  # must equal DEVSHIM_AIO_ABI in aio.c
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    path = library_path("_aio")
-    if path is None:
-        return None, "the native file I/O library was not built (no _aio library in devshim_kernels/_native)"
-    try:
-        library = ctypes.CDLL(str(path))
-        abi = library.devshim_aio_abi_version()
-    except (OSError, AttributeError) as error:
-        return None, f"the native file I/O library {path.name} failed to load: {error}"
-    if abi != ABI_VERSION:
-        return None, (f"the native file I/O library is stale (ABI {abi}, expected {ABI_VERSION}): "
-                      "reinstall devshim-kernels")
+    library, reason = open_library("_aio", "devshim_aio_abi_version", ABI_VERSION, "the native file I/O library")
+    if library is None:
+        return None, reason
     library.devshim_aio_create.restype = ctypes.c_void_p
     library.devshim_aio_create.argtypes = [ctypes.c_int, ctypes.c_int64]
     library.devshim_aio_threads.restype = ctypes.c_int

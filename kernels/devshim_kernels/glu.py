@@ -73,6 +73,6 @@ class _NativeSwiGLU(torch.autograd.Function):
         grad = grad.contiguous()
         dx = torch.empty_like(x)
         half = x.shape[-1] // 2
-        rowwise.LIBRARY.devshim_swiglu_backward(x.data_ptr(), grad.data_ptr(), dx.data_ptr(),
-                                                grad.numel() // half if half else 0, half)
+        rows = x.numel() // x.shape[-1] if half else 0
+        rowwise.LIBRARY.devshim_swiglu_backward(x.data_ptr(), grad.data_ptr(), dx.data_ptr(), rows, half)
         return dx

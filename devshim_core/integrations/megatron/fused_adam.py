@@ -115,9 +115,9 @@ class _KernelAdam(torch.optim.Adam):
                 target.append(tensor)
         beta1, beta2 = group["betas"]
         for step, (params, grads, exp_avgs, exp_avg_sqs) in by_step.items():
-            type(self)._kernel(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=group["lr"], beta1=beta1,
-                               beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                               adamw_mode=group["decoupled_weight_decay"], bias_correction=True)
+            self._kernel(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
+                         eps=group["eps"], weight_decay=group["weight_decay"],
+                         adamw_mode=group["decoupled_weight_decay"], bias_correction=True)
 
 
 def _served(group: dict[str, Any]) -> bool:

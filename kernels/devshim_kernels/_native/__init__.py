@@ -33,7 +33,7 @@ def switched_off() -> bool:
 
 
 def library_path(stem: str) -> pathlib.Path | None:
-    """Where the native library ``stem`` (``_adam``, ``_aio``) was built, or ``None``."""
+    """Where the native library ``stem`` (``_adam``, ``_rowwise``, ``_aio``) was built, or ``None``."""
     spec = importlib.util.find_spec(f"{__name__}.{stem}")  # also resolves editable installs
     if spec is not None and spec.origin:
         return pathlib.Path(spec.origin)
@@ -44,20 +44,29 @@ def library_path(stem: str) -> pathlib.Path | None:
     return None
 
 
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    path = library_path("_adam")
+def open_library(stem: str, abi_symbol: str, abi_version: int, what: str) -> tuple[ctypes.CDLL | None, str]:
+    """Load the native library ``stem`` and check its ABI version (what ``abi_symbol()`` returns): the library,
+    or ``None`` and why it cannot be used (not built, not loadable, not ours, or from an older build)."""
+    path = library_path(stem)
     if path is None:
-        return None, "native extension not built: no _adam library in devshim_kernels/_native (no C compiler?)"
+        return None, f"{what} was not built: no {stem} library in devshim_kernels/_native (no C compiler?)"
     try:
         library = ctypes.CDLL(str(path))
     except OSError as error:
-        return None, f"native extension failed to load: {error}"
+        return None, f"{what} {path.name} failed to load: {error}"
     try:
-        abi = library.devshim_adam_abi_version()
+        abi = getattr(library, abi_symbol)()
     except AttributeError:
-        return None, f"{path.name} is not devshim's Adam kernel"
-    if abi != ABI_VERSION:
-        return None, f"native extension is stale (ABI {abi}, expected {ABI_VERSION}): reinstall devshim-kernels"
+        return None, f"{path.name} is not {what}: it has no {abi_symbol}"
+    if abi != abi_version:
+        return None, f"{what} is stale (ABI {abi}, expected {abi_version}): reinstall devshim-kernels"
+    return library, ""
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    library, reason = open_library("_adam", "devshim_adam_abi_version", ABI_VERSION, "devshim's native Adam kernel")
+    if library is None:
+        return None, reason
     library.devshim_adam_set_openmp.argtypes = [ctypes.c_void_p]
     library.devshim_adam_set_openmp.restype = None
     library.devshim_adam_step.restype = ctypes.c_int

@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-from devshim_kernels._native import library_path, switched_off
+from devshim_kernels._native import open_library, switched_off
 
 ABI_VERSION = 1  # must equal DEVSHIM_ROWWISE_ABI in rowwise.c
 # aten runs an elementwise op on one thread below this many elements (its grain size): a single-threaded kernel
@@ -19,16 +19,10 @@ SINGLE_THREAD_NUMEL = 32768
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    path = library_path("_rowwise")
-    if path is None:
-        return None, "native row-wise kernels not built: no _rowwise library in devshim_kernels/_native"
-    try:
-        library = ctypes.CDLL(str(path))
-        abi = library.devshim_rowwise_abi_version()
-    except (OSError, AttributeError) as error:
-        return None, f"the native row-wise library {path.name} failed to load: {error}"
-    if abi != ABI_VERSION:
-        return None, f"the native row-wise library is stale (ABI {abi}, expected {ABI_VERSION}): reinstall"
+    library, reason = open_library("_rowwise", "devshim_rowwise_abi_version", ABI_VERSION,
+                                   "devshim's native row-wise kernels")
+    if library is None:
+        return None, reason
     pointer, count = ctypes.c_void_p, ctypes.c_int64
     library.devshim_rms_norm_forward.argtypes = [pointer] * 4 + [count, count, ctypes.c_double]
     library.devshim_rms_norm_backward.argtypes = [pointer] * 6 + [count, count]
