@@ -41,7 +41,10 @@ def _install_integrations(session: Session) -> None:
 
     if not settings.patch_distributed:
         session.integrations["distributed"] = "skipped: DEVSHIM_PATCH_DISTRIBUTED=0"
-    for patch_set, summary in job_patch_sets(device, job_level=settings.patch_distributed):
+    elif not settings.shared_memory_collectives:
+        session.integrations["torch.distributed-shared-memory"] = "skipped: DEVSHIM_SHARED_MEMORY_COLLECTIVES=0"
+    for patch_set, summary in job_patch_sets(device, job_level=settings.patch_distributed,
+                                             shared_memory_collectives=settings.shared_memory_collectives):
         REGISTRY.apply(patch_set, device)
         session.integrations[patch_set.name] = f"applied ({summary})"
 

@@ -54,6 +54,7 @@ class Settings:
     patch_megatron: bool = True  # DEVSHIM_PATCH_MEGATRON
     redirect_cuda: bool = True  # DEVSHIM_REDIRECT_CUDA (only ever applied when the device is not CUDA)
     patch_distributed: bool = True  # DEVSHIM_PATCH_DISTRIBUTED: clean exits, named timeouts, plugin agreement
+    shared_memory_collectives: bool = True  # DEVSHIM_SHARED_MEMORY_COLLECTIVES: one host's CPU collectives via /dev/shm
     emulate: str | None = None  # DEVSHIM_EMULATE: the vendor whose simulated SDK and emulated device to use
 
     @classmethod
@@ -74,6 +75,7 @@ class Settings:
             patch_megatron=parse_bool(env, "DEVSHIM_PATCH_MEGATRON", True),
             redirect_cuda=parse_bool(env, "DEVSHIM_REDIRECT_CUDA", True),
             patch_distributed=parse_bool(env, "DEVSHIM_PATCH_DISTRIBUTED", True),
+            shared_memory_collectives=parse_bool(env, "DEVSHIM_SHARED_MEMORY_COLLECTIVES", True),
             emulate=_emulated_vendor(env),
         )
         if forced is not None and forced in settings.disabled:

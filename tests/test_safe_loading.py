@@ -1,8 +1,8 @@
 """Spec: devshim never unpickles arbitrary objects: every ``torch.load`` in its code passes ``weights_only=True``.
 
 A checkpoint is data a user may have downloaded; ``weights_only=False`` (the default before torch 2.6) runs any
-code a crafted file carries. The scan reads devshim's own sources (the core, the kernels, the plugins) with
-``ast``, so a call written any way (``torch.load``, ``load`` imported from torch, through an alias) is seen.
+code a crafted file carries. The scan reads every Python source the project ships or runs (the core, the kernels,
+the plugins, the examples, the benchmarks, the stress loop, the release and build helpers) with ``ast``, so a call written any way (``torch.load``, ``load`` imported from torch, through an alias) is seen.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import ast
 
 from plugin_fixtures import PROJECT_DIR
 
-SOURCES = [PROJECT_DIR / "devshim_core", PROJECT_DIR / "kernels", PROJECT_DIR / "plugins"]
+SOURCES = [PROJECT_DIR / name for name in ("devshim_core", "kernels", "plugins", "examples", "bench", "stress",
+                                           "release", "build_support", "docs_support")]
+TOP_LEVEL = sorted(PROJECT_DIR.glob("*.py"))  # devshim_torch_backend.py and any other module at the root
 
 
 def torch_loads(tree: ast.AST) -> list[ast.Call]:
@@ -47,11 +49,11 @@ def test_the_scan_sees_every_spelling_of_a_torch_load():
 
 def test_every_torch_load_in_devshim_loads_weights_only():
     unsafe = []
-    for root in SOURCES:
-        for path in root.rglob("*.py"):
-            if ".venv" in path.parts or "build" in path.parts:
-                continue
-            for call in torch_loads(ast.parse(path.read_text(), filename=str(path))):
-                if not weights_only(call):
-                    unsafe.append(f"{path.relative_to(PROJECT_DIR)}:{call.lineno}")
+    assert all(root.is_dir() for root in SOURCES), [str(root) for root in SOURCES if not root.is_dir()]
+    for path in [*TOP_LEVEL, *(p for root in SOURCES for p in root.rglob("*.py"))]:
+        if ".venv" in path.parts or "build" in path.parts:
+            continue
+        for call in torch_loads(ast.parse(path.read_text(), filename=str(path))):
+            if not weights_only(call):
+                unsafe.append(f"{path.relative_to(PROJECT_DIR)}:{call.lineno}")
     assert unsafe == [], f"torch.load without weights_only=True: {unsafe}"
