@@ -2,7 +2,9 @@
 
 A checkpoint is data a user may have downloaded; ``weights_only=False`` (the default before torch 2.6) runs any
 code a crafted file carries. The scan reads every Python source the project ships or runs (the core, the kernels,
-the plugins, the examples, the benchmarks, the stress loop, the release and build helpers) with ``ast``, so a call written any way (``torch.load``, ``load`` imported from torch, through an alias) is seen.
+the plugins, the examples, the benchmarks, the stress loop, the release and build helpers) with ``ast``, so a
+call written any way (``torch.load``, ``load`` imported from torch, through an alias) is seen. The tests are left
+out: they read back checkpoints their own jobs wrote.
 """
 
 from __future__ import annotations

@@ -1,0 +1,142 @@
+"""Spec: Megatron gets the same patches whichever is imported first, its CUDA-only imports are answered before it
+makes them, and every flag no devshim device can serve is refused by name.
+
+Each case runs in a fresh interpreter (``import devshim_core.auto`` is process-wide), with megatron-core 0.16 as
+installed for the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from devshim_core.integrations.megatron.extension_modules import BATCH_INVARIANT, BLOCKED
+from devshim_core.integrations.megatron.unserved_flags import UNSERVED
+
+pytest.importorskip("megatron.core", reason="the Megatron specs need the megatron extra")
+
+# what a user's script imports of Megatron, before or after devshim
+MEGATRON_IMPORTS = """
+import megatron.core.tensor_parallel
+import megatron.core.models.gpt
+import megatron.core.optimizer
+import megatron.core.transformer.transformer_config
+"""
+
+PROBE = """
+import importlib, json, sys
+FIRST = sys.argv[1] == "megatron"
+if FIRST:
+{megatron_imports}
+    import megatron.core.tensor_parallel.random as random_module
+    import megatron.core.utils as utils_module
+    stale = {{"_get_cuda_rng_state": random_module._get_cuda_rng_state,
+              "_set_cuda_rng_state": random_module._set_cuda_rng_state,
+              "is_te_min_version": utils_module.is_te_min_version}}
+import devshim_core.auto  # noqa
+{megatron_imports_flat}
+import devshim_core
+info = devshim_core.active_session().as_dict()
+left, replaced = [], []
+if FIRST:
+    homes = {{"_get_cuda_rng_state": random_module, "_set_cuda_rng_state": random_module,
+             "is_te_min_version": utils_module}}
+    replaced = sorted(name for name, old in stale.items() if getattr(homes[name], name) is not old)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and module is not None:
+            left += [f"{{name}}.{{attr}}" for attr, value in vars(module).items()
+                     if any(value is old for old in stale.values())]
+print("PROBE " + json.dumps({{
+    "megatron": info["integrations"].get("megatron"),
+    "patches": sorted(f"{{p['set']}}:{{p['name']}}:{{p['target']}}" for p in info["patches"]
+                      if p["set"].startswith("megatron")),
+    "stale_references": left,
+    "replaced": replaced,
+}}))
+"""
+
+
+def run(code: str, *args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVSHIM_")}
+    env.update(DEVSHIM_PLUGIN="cpu_reference", PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("PROBE "))
+    return json.loads(line[len("PROBE "):])
+
+
+def test_megatron_imported_before_devshim_gets_the_same_patches_and_no_stale_reference():
+    code = PROBE.format(megatron_imports=textwrap.indent(MEGATRON_IMPORTS, "    "),
+                        megatron_imports_flat=MEGATRON_IMPORTS)
+    after, before = run(code, "devshim"), run(code, "megatron")
+    assert after["megatron"].startswith("applied"), after
+    assert before["megatron"] == "applied (megatron was imported first: import-time references were rebound)"
+    assert len(after["patches"]) >= 20, after["patches"]
+    assert before["patches"] == after["patches"]
+    # the three functions were replaced, and every module-level copy of them (`from x import f`) follows
+    assert before["replaced"] == ["_get_cuda_rng_state", "_set_cuda_rng_state", "is_te_min_version"]
+    assert before["stale_references"] == []
+
+
+def test_every_cuda_only_extension_is_blocked_with_its_reason_and_the_provided_ones_import():
+    code = textwrap.dedent(f"""
+        import importlib, json
+        import devshim_core.auto  # noqa
+        blocked = {{}}
+        for name in {sorted(BLOCKED)!r}:
+            try:
+                importlib.import_module(name)
+                blocked[name] = "imported"
+            except ImportError as error:
+                blocked[name] = str(error)
+        wgrad = importlib.import_module("fused_weight_gradient_mlp_cuda")
+        invariant = importlib.import_module({BATCH_INVARIANT!r})
+        try:
+            invariant.enable_batch_invariant_mode()
+            refused = ""
+        except Exception as error:
+            refused = f"{{type(error).__name__}}: {{error}}"
+        print("PROBE " + json.dumps({{"blocked": blocked,
+                                      "wgrad": sorted(n for n in vars(wgrad) if n.startswith("wgrad_gemm")),
+                                      "invariant_enabled": invariant.is_batch_invariant_mode_enabled(),
+                                      "refused": refused}}))
+    """)
+    probe = run(code)
+    for name, why in BLOCKED.items():
+        assert probe["blocked"][name] == f"No module named '{name}' ({why})", name
+    assert probe["wgrad"] == ["wgrad_gemm_accum_fp16", "wgrad_gemm_accum_fp32"]
+    assert probe["invariant_enabled"] is False
+    assert probe["refused"].startswith("ConfigError: --batch-invariant-mode needs megatron-core's triton kernels")
+
+
+# a value that turns each unserved field on
+TURNED_ON = {"fp8": "hybrid", "fp4": "nvfp4", "cross_entropy_fusion_impl": "te", "cuda_graph_impl": "local"}
+
+
+def test_every_flag_no_device_can_serve_is_refused_by_name_when_the_config_is_built():
+    code = textwrap.dedent(f"""
+        import json
+        import devshim_core.auto  # noqa
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        base = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
+        TransformerConfig(**base)  # the defaults are served
+        outcome = {{}}
+        for field, value in {[(f, TURNED_ON.get(f, True)) for f in UNSERVED]!r}:
+            try:
+                TransformerConfig(**base, **{{field: value}})
+                outcome[field] = "accepted"
+            except Exception as error:
+                outcome[field] = f"{{type(error).__name__}}: {{error}}"
+        print("PROBE " + json.dumps(outcome))
+    """)
+    outcome = run(code)
+    assert set(outcome) == set(UNSERVED)
+    for field, (_, why) in UNSERVED.items():
+        message = outcome[field]
+        assert message.startswith("ConfigError: Megatron flags the cpu device cannot serve: "), (field, message)
+        assert f"{field}=" in message and why in message, (field, message)
