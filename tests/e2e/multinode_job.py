@@ -26,7 +26,8 @@ TRAIN_GPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 # what a launcher, DeepSpeed's runner (EXPORT_ENVS and the accelerator's export_envs()) or a .deepspeed_env sets
 RECORDED_PREFIXES = ("DEVSHIM", "OMP", "KMP", "PYTHON", "UCX", "MLFLOW", "MV2", "GLOO", "MASTER_", "CROSS_", "OMPI_")
 RECORDED = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                      "ROLE_RANK", "TORCHELASTIC_RUN_ID"})
+                      "ROLE_RANK", "TORCHELASTIC_RUN_ID",
+                      "TORCH_EXTENSIONS_DIR"})  # set for every launcher, exported by none: shows a fresh login
 LAUNCH_ENV = {k: v for k, v in os.environ.items() if k in RECORDED or k.startswith(RECORDED_PREFIXES)}
 
 

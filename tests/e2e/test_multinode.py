@@ -246,17 +246,39 @@ def mpirun_two_ranks(platform: Platform, workdir: Path) -> Launch:
     return launch_nodes("mpirun", [command], [env], workdir)
 
 
+# ssh to a remote host that is this machine: skip ssh's options and the host name, then run the command with only
+# PATH and HOME, as a fresh login would, so that a variable reaches that host's ranks only if mpirun exports it
+SSH_STAND_IN = """#!/bin/sh
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -o|-p|-l|-i|-F|-J) shift 2;;
+    -*) shift;;
+    *) break;;
+  esac
+done
+shift
+exec env -i PATH="$PATH" HOME="$HOME" /bin/sh -c "$*"
+"""
+
+
 def deepspeed_openmpi(platform: Platform, workdir: Path) -> Launch:
     if reason := openmpi_missing():
         pytest.skip(reason)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "hostfile").write_text("localhost slots=2\n")
+    # one host that is not the launcher's: mpirun starts its daemon there through the ssh stand-in
+    # (plm_rsh_agent). Not two such hosts: MPI traffic between two "hosts" that are one machine hangs in Open
+    # MPI's TCP transport, so both ranks share node-a.
+    (workdir / "hostfile").write_text("node-a slots=2\n")
     (workdir / ".deepspeed_env").write_text(f"{MARKER}={MARKER_VALUE}\n")
+    ssh = workdir / "ssh-stand-in"
+    ssh.write_text(SSH_STAND_IN)
+    ssh.chmod(0o755)
     port = str(free_port())
-    # --force_multi: one host would take the local path; --no_ssh_check: mpirun needs no ssh to reach localhost
+    # --force_multi: one host would take the local path; --no_ssh_check: DeepSpeed's own ssh probe would use ssh
     command = job_command(str(venv_bin("deepspeed")), "--hostfile", "hostfile", "--launcher", "openmpi",
                           "--force_multi", "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", port,
-                          "--launcher_args", "--oversubscribe --allow-run-as-root --mca btl_tcp_if_include lo",
+                          "--launcher_args", "--oversubscribe --allow-run-as-root --mca btl_tcp_if_include lo "
+                                             f"--mca plm_rsh_agent {ssh}",
                           report_dir=workdir)
     env = mpi_env(platform, workdir, {"DEVSHIM_AUTO": "1", "DEVSHIM_TEST_MPI_PORT": port})
     return launch_nodes("deepspeed", [command], [env], workdir)
@@ -526,8 +548,9 @@ def test_mpirun_ranks_find_their_world_through_deepspeed_mpi_discovery(jobs: Job
 def test_deepspeed_openmpi_runner_exports_devshim_switches_and_deepspeed_env(jobs: Jobs, platform: Platform) -> None:
     """``deepspeed --launcher openmpi`` hands every rank, through ``mpirun -x``, the launcher's variables that
     start with DeepSpeed's and the accelerator's ``export_envs()`` prefixes (devshim's: DEVSHIM and, for
-    cpu_reference, OMP/KMP) and every line of ``.deepspeed_env``: what reaches the ranks of other hosts. The
-    ``.deepspeed_env`` marker reaches the ranks only that way (the launcher itself does not have it).
+    cpu_reference, OMP/KMP) and every line of ``.deepspeed_env``. The ranks run on a host mpirun reaches through
+    an ssh stand-in that keeps only PATH and HOME, as a login on another node would: a variable reaches them only
+    if it was exported (the ``.deepspeed_env`` marker is not even in the launcher's own environment).
     """
     launch = jobs.get(f"{platform.id}_deepspeed_openmpi")
     report = launch.report()
@@ -546,6 +569,7 @@ def test_deepspeed_openmpi_runner_exports_devshim_switches_and_deepspeed_env(job
     assert_one_plugin(launch, report, platform, world=2)
     for rank in range(2):
         env = launch.rank_env(rank)
+        assert "TORCH_EXTENSIONS_DIR" not in env, env  # the launcher's, not exported: a fresh login's environment
         assert env[MARKER] == MARKER_VALUE and env["DEVSHIM_AUTO"] == "1", env
         assert_on_device(report["ranks"][rank], platform, launch.rank_facts(rank)["local_rank"], launch)
     assert_same_losses(launch, jobs.get(f"{platform.id}_one_node"), f"deepspeed --launcher openmpi on {platform.id}")
