@@ -16,9 +16,20 @@ A checkout whose ``megatron`` is a regular package (Megatron-DeepSpeed) wins whe
 
 import devshim_core.auto  # noqa: F401  (the first line; everything after it is the script's own)
 
+import atexit
 import os
 import runpy
 import sys
+
+
+def report_platform() -> None:
+    """One line a test can check: the plugin, device type and process-group backend this rank ran with."""
+    import devshim_core
+    import torch.distributed as dist
+
+    session = devshim_core.active_session()
+    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+    print(f"FIRST_LINE plugin={session.plugin} device_type={session.device_type} backend={backend}", flush=True)
 
 
 def main() -> None:
@@ -37,6 +48,7 @@ def main() -> None:
         sys.path.append(os.path.dirname(script))
     else:
         sys.path.insert(0, os.path.dirname(script))
+    atexit.register(report_platform)  # before the script's own handlers, so it runs after them
     runpy.run_path(script, run_name="__main__")
 
 

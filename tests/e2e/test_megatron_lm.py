@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from .platforms import ASCEND, CPU, SOPHGO, Platform
 from .third_party import (
     assert_close,
     assert_losses_fell,
@@ -83,9 +84,10 @@ def megatron_lm() -> Path:
     return path
 
 
-def pretrain_gpt(checkout_path: Path, args: list[str], workdir: Path, nproc: int):
+def pretrain_gpt(checkout_path: Path, args: list[str], workdir: Path, nproc: int, platform: Platform = CPU):
+    env = platform.job_env({**platform.two_devices_env, "DEVSHIM_PLUGIN": platform.plugin})
     job = run_script(checkout_path / "pretrain_gpt.py", [*MODEL, *TRAINING, *args], workdir, nproc=nproc,
-                     script_dir_last=True)
+                     script_dir_last=True, env=env)
     padded = _PADDED_VOCAB.findall(job.stdout)
     assert job.returncode != 0 or padded == [str(PADDED_VOCAB)], (
         f"Megatron padded the vocabulary to {padded}, not {PADDED_VOCAB}: TP sizes would not build the same model\n"
@@ -99,11 +101,16 @@ def test_tp2_sequence_parallel_distributed_optimizer_trains(megatron_lm: Path, t
     assert_losses_fell(lm_losses(job), ITERATIONS, LOSS_DROP, job)
 
 
-def test_tp2_sequence_parallel_distributed_optimizer_matches_one_rank(megatron_lm: Path, tmp_path: Path) -> None:
-    single = pretrain_gpt(megatron_lm, DETERMINISTIC, tmp_path / "tp1", nproc=1)
+@pytest.mark.parametrize("platform", [CPU, ASCEND, SOPHGO], ids=["cpu", "npu", "tpu"])
+def test_tp2_sequence_parallel_distributed_optimizer_matches_one_rank(megatron_lm: Path, tmp_path: Path,
+                                                                      platform: Platform) -> None:
+    single = pretrain_gpt(megatron_lm, DETERMINISTIC, tmp_path / "tp1", nproc=1, platform=platform)
     assert_succeeded(single)
-    parallel = pretrain_gpt(megatron_lm, [*DETERMINISTIC, *TP2_SP_DISTOPT], tmp_path / "tp2", nproc=2)
+    parallel = pretrain_gpt(megatron_lm, [*DETERMINISTIC, *TP2_SP_DISTOPT], tmp_path / "tp2", nproc=2,
+                            platform=platform)
     assert_succeeded(parallel)
+    ran_on = f"FIRST_LINE plugin={platform.plugin} device_type={platform.device_type} backend={platform.backend}"
+    assert single.stdout.count(ran_on) == 1 and parallel.stdout.count(ran_on) == 2, parallel.tail(20)
     reference = lm_losses(single)
     assert_losses_fell(reference, ITERATIONS, LOSS_DROP, single)
     assert_close(lm_losses(parallel), reference, PARALLEL_RTOL, "TP2+SP+distopt vs TP1 losses", parallel)
