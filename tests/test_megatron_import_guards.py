@@ -140,3 +140,40 @@ def test_every_flag_no_device_can_serve_is_refused_by_name_when_the_config_is_bu
         message = outcome[field]
         assert message.startswith("ConfigError: Megatron flags the cpu device cannot serve: "), (field, message)
         assert f"{field}=" in message and why in message, (field, message)
+
+
+def test_a_megatron_deepspeed_style_fork_gets_no_megatron_core_patches_and_compression_fails_only_when_called(
+        tmp_path):
+    """A test double of Megatron-DeepSpeed's layout: a regular ``megatron`` package with its own ``megatron/core``
+    (package_info 0.2.0) beside a ``training.py`` module, first on the path, as its checkout is."""
+    (tmp_path / "megatron" / "core").mkdir(parents=True)
+    for name in ("__init__.py", "training.py", "core/__init__.py"):
+        (tmp_path / "megatron" / name).write_text("")
+    (tmp_path / "megatron" / "core" / "package_info.py").write_text('__version__ = "0.2.0"\n')
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import json
+        import devshim_core.auto  # noqa
+        import megatron.core, megatron.training
+        import devshim_core
+        info = devshim_core.active_session().as_dict()
+        from deepspeed.compression.compress import init_compression, redundancy_clean  # imported, never called
+        try:
+            init_compression(None, None)
+            called = "returned"
+        except Exception as error:
+            called = f"{{type(error).__name__}}: {{error}}"
+        print("PROBE " + json.dumps({{"megatron": info["integrations"].get("megatron"),
+                                      "core": megatron.core.__file__,
+                                      "sets": sorted({{p["set"] for p in info["patches"]
+                                                      if p["set"].startswith("megatron")}}),
+                                      "called": called}}))
+    """)
+    probe = run(code)
+    assert probe["core"].startswith(str(tmp_path))  # the fork's megatron.core, not the installed one
+    assert probe["megatron"].startswith("Megatron-DeepSpeed recognised: its megatron.core fork gets no megatron-core "
+                                        "patches"), probe
+    assert probe["sets"] == ["megatron:extension-modules"], probe  # only the CUDA-only imports are answered
+    assert probe["called"].startswith('ConfigError: compression training ("compression_training" in the DeepSpeed '
+                                      'config) was removed in DeepSpeed 0.19'), probe
