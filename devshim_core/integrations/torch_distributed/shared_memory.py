@@ -11,7 +11,7 @@ When it applies, decided the same way on every rank (so no rank takes a path the
 - the group's backend is gloo, it has more than one rank, and every rank is on this host (same host name and
   boot id, checked once per group);
 - the call is blocking, with dense contiguous CPU tensors of one supported dtype, the sizes a collective
-  needs, ``SUM`` for the reductions, and at least ``MIN_BYTES`` per rank (below that gloo's latency is lower);
+  needs, ``SUM`` for the reductions, and at least ``MIN_BYTES`` per rank (below that gloo's latency can win);
 - the group's segment could be created: a file in ``/dev/shm``, mode 0600, its space reserved with
   ``posix_fallocate`` (so a small ``/dev/shm`` is a clean refusal, not a SIGBUS) and unlinked once every rank
   mapped it, so nothing is left behind by a crash. If any rank could not map it, the group keeps gloo.
@@ -25,6 +25,7 @@ as with gloo, autograd's version counters do not move.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import socket
@@ -36,7 +37,7 @@ from devshim_core.device import Device
 from devshim_core.integrations.torch_distributed import TORCH, in_both_modules
 from devshim_core.patching import PatchSet
 
-MIN_BYTES = 1 << 20  # per rank; measured crossover with gloo on loopback is below this (docs/performance.md)
+MIN_BYTES = 1 << 20  # per rank; set conservatively: no bench row measures the crossover with gloo yet
 SLOT_BYTES = 16 << 20  # per rank and generation: a 2-rank group maps 64 MiB
 SHM_DIRECTORY = "/dev/shm"
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -130,12 +131,12 @@ class Segments:
         if group is None:
             group = dist.distributed_c10d._get_default_group()
         found = self._by_group.get(id(group))
-        if found is not None:
-            return found[1]
-        with self._lock:
-            segment = self._set_up(group)
-            self._by_group[id(group)] = (group, segment)
-        return segment
+        if found is None:
+            with self._lock:
+                found = self._by_group.get(id(group))
+                if found is None:
+                    found = self._by_group[id(group)] = (group, self._set_up(group))
+        return found[1]
 
     def _set_up(self, group: Any) -> Segment | None:
         import torch
@@ -181,38 +182,52 @@ class Segments:
 
 
 SEGMENTS = Segments()
-_DTYPES: frozenset[Any] = frozenset()
 
 
-def _served(*tensors: Any) -> bool:
-    """Dense contiguous CPU tensors of one dtype the slots can carry."""
+@functools.cache
+def _dtypes() -> frozenset[Any]:
     import torch
 
-    global _DTYPES
-    if not _DTYPES:
-        _DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-                             torch.int16, torch.int32, torch.int64))
-    first = tensors[0]
-    return all(t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and t.dtype == first.dtype
-               for t in tensors) and first.dtype in _DTYPES
+    return frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                      torch.int16, torch.int32, torch.int64))
 
 
-def _is_sum(op: Any) -> bool:
+_NOT_A_REDUCTION = object()
+
+
+def _segment_for(group: Any, async_op: bool, part: Any, whole: Any = None,
+                 op: Any = _NOT_A_REDUCTION) -> Segment | None:
+    """The group's segment when this call is served (the rules in the module docstring), else ``None``.
+
+    ``part`` holds one rank's share; ``whole``, for a gather or scatter, holds every rank's. Every test but the
+    segment's own set-up is local, and gives the same answer on every rank of a well-formed collective.
+    """
+    import torch
     import torch.distributed as dist
 
-    return op == dist.ReduceOp.SUM
+    if async_op or part.numel() * part.element_size() < MIN_BYTES:
+        return None
+    if op is not _NOT_A_REDUCTION and op != dist.ReduceOp.SUM:
+        return None
+    tensors = (part,) if whole is None else (part, whole)
+    if part.dtype not in _dtypes() or not all(t.device.type == "cpu" and t.layout == torch.strided
+                                              and t.is_contiguous() and t.dtype == part.dtype for t in tensors):
+        return None
+    if dist.distributed_c10d._rank_not_in_group(group):
+        return None
+    if whole is not None and whole.numel() != part.numel() * dist.get_world_size(group):
+        return None  # sizes a collective cannot take: gloo's own call says what is wrong
+    return SEGMENTS.of(group)
 
 
 def _all_reduce(original: Callable[..., Any], device: Device) -> Callable[..., Any]:
     import torch.distributed as dist
 
     def all_reduce(tensor: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
-        if (not async_op and tensor.numel() * tensor.element_size() >= MIN_BYTES and _is_sum(op)
-                and _served(tensor) and not dist.distributed_c10d._rank_not_in_group(group)):
-            segment = SEGMENTS.of(group)
-            if segment is not None:
-                segment.all_reduce(tensor.data.view(-1))
-                return None
+        segment = _segment_for(group, async_op, tensor, op=op)
+        if segment is not None:
+            segment.all_reduce(tensor.data.view(-1))
+            return None
         return original(tensor, op=op, group=group, async_op=async_op)
 
     all_reduce.__devshim_original__ = original  # type: ignore[attr-defined]
@@ -220,17 +235,12 @@ def _all_reduce(original: Callable[..., Any], device: Device) -> Callable[..., A
 
 
 def _all_gather_into_tensor(original: Callable[..., Any], device: Device) -> Callable[..., Any]:
-    import torch.distributed as dist
-
     def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = None,
                                async_op: bool = False) -> Any:
-        if (not async_op and input_tensor.numel() * input_tensor.element_size() >= MIN_BYTES
-                and _served(output_tensor, input_tensor) and not dist.distributed_c10d._rank_not_in_group(group)
-                and output_tensor.numel() == input_tensor.numel() * dist.get_world_size(group)):
-            segment = SEGMENTS.of(group)
-            if segment is not None:
-                segment.all_gather(output_tensor.data.view(-1), input_tensor.data.view(-1))
-                return None
+        segment = _segment_for(group, async_op, input_tensor, whole=output_tensor)
+        if segment is not None:
+            segment.all_gather(output_tensor.data.view(-1), input_tensor.data.view(-1))
+            return None
         return original(output_tensor, input_tensor, group=group, async_op=async_op)
 
     all_gather_into_tensor.__devshim_original__ = original  # type: ignore[attr-defined]
@@ -242,13 +252,10 @@ def _reduce_scatter_tensor(original: Callable[..., Any], device: Device) -> Call
 
     def reduce_scatter_tensor(output: Any, input: Any, op: Any = dist.ReduceOp.SUM, group: Any = None,
                               async_op: bool = False) -> Any:
-        if (not async_op and output.numel() * output.element_size() >= MIN_BYTES and _is_sum(op)
-                and _served(output, input) and not dist.distributed_c10d._rank_not_in_group(group)
-                and input.numel() == output.numel() * dist.get_world_size(group)):
-            segment = SEGMENTS.of(group)
-            if segment is not None:
-                segment.reduce_scatter(output.data.view(-1), input.data.view(-1))
-                return None
+        segment = _segment_for(group, async_op, output, whole=input, op=op)
+        if segment is not None:
+            segment.reduce_scatter(output.data.view(-1), input.data.view(-1))
+            return None
         return original(output, input, op=op, group=group, async_op=async_op)
 
     reduce_scatter_tensor.__devshim_original__ = original  # type: ignore[attr-defined]
