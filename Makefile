@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.devshim-installed
-DISTRIBUTIONS := -e . -e kernels -e plugins/cpu_reference -e plugins/ascend -e plugins/sophgo
+DISTRIBUTIONS := -e . -e kernels -e plugins/cpu_reference -e plugins/ascend -e plugins/sophgo -e plugins/cuda
 # what the install builds: the native sources (kernels, the CUDA redirect's wrappers) are compiled by pip, so a
 # change to them reinstalls
 BUILD_INPUTS := pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml requirements-dev.txt constraints.txt \

@@ -48,6 +48,8 @@ class SessionInfo:
     """One row per applied patch: set, name, target, reason, required and installed versions."""
     emulation: str | None = None
     """A notice when the device is devshim's emulation (``DEVSHIM_EMULATE``), not hardware."""
+    warnings: tuple[str, ...] = ()
+    """What activation printed on stderr: the plugins passed over for the selected one, and why."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data under the keys ``devshim info --json`` uses for the same facts."""
@@ -61,6 +63,8 @@ class SessionInfo:
         }
         if self.emulation is not None:
             report["emulation"] = self.emulation
+        if self.warnings:
+            report["warnings"] = list(self.warnings)
         return report
 
 
@@ -91,6 +95,7 @@ def _snapshot(session: Any) -> SessionInfo:
         integrations=MappingProxyType({k: integration_status(k, v) for k, v in session.integrations.items()}),
         patches=tuple(MappingProxyType(row) for row in REGISTRY.report()),
         emulation=None if vendor is None else emulation_notice(vendor, session.device.type),
+        warnings=tuple(session.warnings),
     )
 
 

@@ -1,23 +1,60 @@
-"""``devshim info`` and ``devshim plugins``: what was detected, what was chosen and why, what was patched.
-``devshim check``: which CUDA-only constructs of a script the redirect serves, and what the user must change."""
+"""``devshim info`` and ``devshim plugins``: what was detected, what was chosen and why, what was patched, and the
+host under it all. ``devshim check``: which CUDA-only constructs of a script the redirect serves, and what the user
+must change. ``devshim --version``: the installed devshim distributions."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata as metadata
 import json
 import platform
 import sys
 from typing import Any
 
-from devshim_core import api, cuda_check
+from devshim_core import api, cuda_check, host_report
 from devshim_core.cuda_check import report as check_report
-from devshim_core.distributions import installed_version
+from devshim_core.distributions import installed_version, name_and_version
 from devshim_core.errors import ConfigError, DevshimError
-from devshim_core.plugins import discover
+from devshim_core.plugins import ENTRY_POINT_GROUP, discover
 from devshim_core.selection import select
-from devshim_core.session import activate
 from devshim_core.settings import Settings
+
+CORE = "devshim-core"
+
+
+def _normalized(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def distribution_versions() -> list[str]:
+    """One line per installed devshim distribution: devshim-core first, then every other ``devshim-*`` distribution
+    and every distribution that registers a devshim plugin (a third party's), with the plugins it registers."""
+    seen: dict[str, str] = {}
+    for dist in metadata.distributions():
+        name, version = name_and_version(dist)
+        if not name or _normalized(name) in seen:  # the first on sys.path is the one imported
+            continue
+        plugins = sorted(ep.name for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP)
+        if not plugins and not _normalized(name).startswith("devshim-"):
+            continue
+        line = f"{name} {version or 'unknown version'}"
+        if plugins:
+            line += f" (plugin{'s' if len(plugins) > 1 else ''} {', '.join(plugins)})"
+        seen[_normalized(name)] = line
+    core = seen.pop(CORE, f"{CORE} {installed_version(CORE) or 'not installed (run from a source tree)'}")
+    return [core, *(seen[key] for key in sorted(seen))]
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print, exit 0, before a sub-command is required; reads metadata only (no torch import)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print("\n".join(distribution_versions()))
+        parser.exit(0)
 
 
 def _versions() -> dict[str, str | None]:
@@ -55,6 +92,8 @@ def plugins_report() -> dict[str, Any]:
 
 def info_report() -> dict[str, Any]:
     """Activate devshim as ``import devshim_core.auto`` would, import the patched frameworks, report it all."""
+    from devshim_core.session import activate  # imports torch: not for --version
+
     report: dict[str, Any] = {"versions": _versions(), "supported": _supported()}
     try:
         session = activate()
@@ -62,11 +101,12 @@ def info_report() -> dict[str, Any]:
         raise  # a setting the user must change (or a tool emulation needs): say so alone, exit status 2
     except DevshimError as exc:
         report.update(plugins_report())
-        report.update({"selected": None, "reason": str(exc), "error": str(exc)})
+        report.update({"selected": None, "reason": str(exc), "error": str(exc), "host": host_report.collect()})
         return report
     if session.integrations.get("deepspeed", "").startswith("armed"):
         importlib.import_module("deepspeed")  # fires the armed patches, so the report shows what a script gets
     report.update(api.activate().as_dict())  # the session activated above, as it stands now
+    report["host"] = host_report.collect(session)
     return report
 
 
@@ -79,6 +119,55 @@ def _print_plugins(plugins: list[dict[str, Any]]) -> None:
         print(f"      {p['reason']}")
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _print_host(host: dict[str, Any]) -> None:
+    print("host:")
+    system = host["os"]
+    print(f"  {'os':<14} {system['system']} {system['kernel']} {system['machine']}"
+          + (f", {system['distro']}" if system["distro"] else ""))
+    cpus = host["cpus"]
+    usable = f" ({cpus['usable']} usable by this process)" if cpus["usable"] not in (None, cpus["count"]) else ""
+    print(f"  {'cpus':<14} {cpus['count'] or 'unknown'}{usable}")
+    memory = host["memory"]
+    print(f"  {'memory':<14} " + (f"{_size(memory['total'])} total" + (
+        f", {_size(memory['available'])} available" if "available" in memory else "") if memory else "unknown"))
+    shm = host["shm"]
+    if shm["absent"]:
+        print(f"  {shm['path']:<14} absent")
+    else:
+        warning = (" (small: shared-memory collectives and DataLoader workers need more; in a container, raise "
+                   "docker's --shm-size)") if shm["small"] else ""
+        print(f"  {shm['path']:<14} {_size(shm['size'])}, {_size(shm['free'])} free{warning}")
+    for key, label in (("c_compiler", "C compiler"), ("cxx_compiler", "C++ compiler")):
+        found = host[key]
+        print(f"  {label:<14} " + (f"{found['path']}: {found['version']}" if found else "none on PATH"))
+    ninja = host["ninja"]
+    ninja_sources = [s for s in (ninja["binary"], ninja["python_package"] and
+                                 f"Python package ninja {ninja['python_package']}") if s]
+    print(f"  {'ninja':<14} {', '.join(ninja_sources) if ninja_sources else 'none (pip install ninja)'}")
+    emulator = host["emulator"]
+    state = emulator["state"]
+    where = emulator["library"] or emulator["directory"] or emulator["cache_root"]
+    note = {"missing": " (the first DEVSHIM_EMULATE run builds it, about a minute)",
+            "building": " (another process is compiling it now)"}.get(state, "")
+    if emulator.get("error"):
+        note = f" ({emulator['error']})"
+    print(f"  {'emulator':<14} {state}: {where}{note}")
+    runtime = host["runtime"]
+    if runtime is not None:
+        if runtime["error"]:
+            read = f"error: {runtime['error']}"
+        else:
+            read = ", ".join(f"{k} {v}" for k, v in runtime["versions"].items()) or "none read by the plugin"
+        print(f"  {'runtime':<14} ({runtime['plugin']}) {read}")
+
+
 def _print_info(report: dict[str, Any]) -> None:
     if report.get("emulation"):
         print(f"!! {report['emulation']}")
@@ -86,6 +175,8 @@ def _print_info(report: dict[str, Any]) -> None:
     for name, version in report["versions"].items():
         supported = report.get("supported", {}).get(name)
         print(f"  {name:<14} {version or 'not installed'}" + (f"  (devshim supports {supported})" if supported else ""))
+    if "host" in report:
+        _print_host(report["host"])
     print("plugins:")
     _print_plugins(report["plugins"])
     print(f"selected: {report['selected'] or 'none'}")
@@ -126,6 +217,8 @@ def check(paths: list[str], as_json: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="devshim", description=__doc__)
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the version of devshim-core and of each installed devshim distribution, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("info", "activate as `import devshim_core.auto` would and report everything"),
                             ("plugins", "list the installed plugins and which one would be selected")):

@@ -6,6 +6,7 @@ Each operation is the plugin's own callable bound as an attribute, so a framewor
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import traceback
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from devshim_core.errors import ConfigError, DeviceSetupError, DevshimError, Plu
 from devshim_core.host_streams import HostEvent, HostStream, HostStreams
 from devshim_core.patching import Patch
 from devshim_core.plugins import PluginRecord, PluginRegistry
+from devshim_core.record_checks import check_record
 from devshim_core.records import (
     DEVICE_MODULE_API,
     STREAM_API,
@@ -173,6 +175,8 @@ def _checked(registry: PluginRegistry, record: PluginRecord, hook: str, expected
     if expected is not None and not isinstance(answer, expected):
         raise PluginError(f"plugin {record.name!r}: {hook} returned {type(answer).__name__}, "
                           f"expected {expected.__name__}.")
+    if dataclasses.is_dataclass(answer):
+        check_record(answer, record.name, hook)
     return answer
 
 

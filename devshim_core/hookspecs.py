@@ -1,4 +1,8 @@
-"""The contract between devshim and a device plugin: five areas, one hook each, plus detection.
+"""The contract between devshim and a device plugin: ten hooks, detection first.
+
+Detection (``devshim_detect``); the device (``devshim_device_module``, ``devshim_device_traits``); collectives,
+allocator, optimizer kernels, offload file I/O, attention and fused ops (one hook each); the vendor runtime's
+versions for reports; and the plugin's own patches.
 
 A plugin is one module (or object) whose functions carry ``@devshim_core.hookimpl`` and whose
 distribution registers it in the ``devshim`` entry-point group: one entry point, one registered object,
@@ -7,15 +11,18 @@ that can be selected must also implement ``devshim_device_module`` and ``devshim
 
 How the core calls the hooks:
 
-- ``devshim_detect`` is called on every installed plugin that the settings load, one at a time, and a
-  plugin that raises or returns anything but a valid :class:`~devshim_core.records.DeviceReport` is
-  recorded as broken and skipped. It must be cheap and must never import a vendor SDK speculatively:
-  some of them abort the interpreter when their runtime is missing.
+- ``devshim_detect`` is called on every installed plugin that the settings load (the forced one alone under
+  ``DEVSHIM_PLUGIN``), one at a time, each on a daemon thread with a time limit (``DEVSHIM_DETECT_TIMEOUT``, 10 s by
+  default); a plugin that raises, returns anything but a valid :class:`~devshim_core.records.DeviceReport` or
+  does not answer in time is recorded as broken and skipped, and named on stderr if a lower-priority plugin is
+  selected instead. It must be cheap and must never import a vendor SDK speculatively: some of them abort the
+  interpreter when their runtime is missing.
 - Every other hook is called on the *selected* plugin only, once, when the device facade is built;
   the facade binds the returned callables and never calls the hook again. A ``None`` answer (or no
   implementation) means "not provided": the core falls back as each hook says, or stops with a
   :class:`~devshim_core.errors.PluginError` where the hook is required. So does an answer of the wrong
-  type, or a hook that raises; the error names the plugin and the hook.
+  type, a record with a field whose value does not have the field's declared type (``bf16_supported="no"``, a
+  dtype written as a string), or a hook that raises; the error names the plugin, the hook and the field.
 - Every hook after detection receives the plugin's own ``report`` so it need not detect again.
 """
 
@@ -57,7 +64,9 @@ def devshim_detect() -> DeviceReport | None:
     act on ("torch_npu is installed but CANN was not found: set ASCEND_HOME_PATH"). Must not raise for
     an absent device (raising marks the plugin broken), must not import a vendor SDK before checking
     that it is the right one and that its runtime is present, and must not initialise the device more
-    than needed to count it.
+    than needed to count it. It runs on a daemon thread and must answer within ``DEVSHIM_DETECT_TIMEOUT``
+    seconds (10 by default), or the plugin is recorded as "detection timed out" and passed over; the call is not
+    interrupted, its answer is ignored.
 
     Return: the report; ``device_count`` >= 1 when ``available``. ``None`` marks the plugin broken.
     """
@@ -175,6 +184,22 @@ def devshim_attention_kernels(report: DeviceReport) -> AttentionKernels | None:
     in place (``gradient_accumulation_fusion`` then fails with an error naming the flag), and so does a call the
     op cannot serve as Megatron would (e.g. attention with a bias, packed sequences or a sliding window).
     DeepSpeed keeps its own attention and fused ops whatever the answer.
+    """
+
+
+# -- runtime versions --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def devshim_runtime_versions(report: DeviceReport) -> dict[str, str] | None:
+    """Name the versions of the vendor software under the device (driver, toolkit, collective library), for
+    ``devshim info``: what ``ds_report`` and ``accelerate env`` print, and what a bug report needs.
+
+    Contract: read them without initialising the device (version files, environment, package metadata); a piece
+    that cannot be read is left out, never guessed. Called on the selected plugin only, when a report is made.
+
+    Return: ``{name: version}`` with string keys and values (``{"CANN": "8.1.RC1", "driver": "24.1.0"}``), or
+    ``None`` when the plugin reads none.
     """
 
 

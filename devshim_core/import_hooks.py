@@ -6,13 +6,15 @@ Frameworks bind references at import time; a patch that must land before those b
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import importlib.abc
+    import importlib.machinery
 
 Callback = Callable[[ModuleType], None]
 
@@ -26,7 +28,7 @@ def is_imported(name: str) -> bool:
     return not getattr(spec, "_initializing", False)
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:  # the import system's loader protocol; importlib.abc is not imported (start-up cost)
     def __init__(self, wrapped: importlib.abc.Loader, name: str) -> None:
         self._wrapped = wrapped
         self._name = name
@@ -40,6 +42,13 @@ class _Loader(importlib.abc.Loader):
         # executes the module must not consume them, and a failed import leaves them waiting
         with _FINDER._lock:
             callbacks = _FINDER.pending.pop(self._name, [])
+        if callbacks:
+            # the module has run to its end: mark it initialised now, as the import system will when this returns, so
+            # that another thread importing it while a callback runs (a plugin's detection on its worker thread,
+            # when devshim activates inside the first `import torch`) gets it instead of waiting on this import
+            spec = getattr(module, "__spec__", None)
+            if spec is not None:
+                spec._initializing = False
         for callback in callbacks:
             callback(module)
 
@@ -47,7 +56,7 @@ class _Loader(importlib.abc.Loader):
         return getattr(self._wrapped, name)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:  # a meta-path finder by protocol, for the same reason
     def __init__(self) -> None:
         self.pending: dict[str, list[Callback]] = {}
         self._lock = threading.Lock()

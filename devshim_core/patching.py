@@ -272,17 +272,48 @@ class RunAtExit(Patch):
         return (lambda: atexit.unregister(callback)), f"registered {getattr(callback, '__qualname__', callback)}"
 
 
+def _code_of(owner: Any, name: str) -> Any:
+    return getattr(getattr(owner, name, None), "__code__", None)
+
+
 class _BlockingFinder(importlib.abc.MetaPathFinder):
-    """Make ``import name`` fail as "not installed" (ModuleNotFoundError), with a reason."""
+    """Make ``import name`` fail as "not installed" (ModuleNotFoundError), with a reason; a probe gets None.
+
+    Raising from find_spec is how the reason reaches the ImportError, but ``importlib.util.find_spec`` must answer
+    None for a module that is not there (transformers probes flash_attn, apex, ... that way): the finder raises only
+    when the import machinery is loading the name, and returns None to a probe (:meth:`_asked_to_load`). A probe then
+    goes on to the later finders, so a blocked module that is installed is found by it, as installed; importing it
+    still raises. The answer depends on the calling thread's own stack: no state is shared between threads.
+    """
+
+    # The import machinery's frames (importlib._bootstrap is the frozen _frozen_importlib; CPython 3.10-3.13): every
+    # meta-path finder is asked from _find_spec. The import statement, importlib.import_module and __import__ reach
+    # it through _find_and_load_unlocked, importlib.reload calls it itself; importlib.util.find_spec (pkgutil, runpy
+    # and every "is it installed?" check go through it) and importlib.find_loader call it to probe.
+    _FIND_SPEC = _code_of(importlib._bootstrap, "_find_spec")
+    _LOADING = frozenset({_code_of(importlib._bootstrap, "_find_and_load_unlocked"), _code_of(importlib, "reload")})
 
     def __init__(self, names: dict[str, str]) -> None:
         self.names = names
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
         reason = self.names.get(fullname.partition(".")[0])
-        if reason is not None:
+        if reason is not None and self._asked_to_load():
             raise ModuleNotFoundError(f"No module named {fullname!r} ({reason})", name=fullname)
         return None
+
+    @classmethod
+    def _asked_to_load(cls) -> bool:
+        """Whether the nearest ``_find_spec`` up this thread's stack was called to load a module, not to probe.
+        True also where the machinery is not recognised (another interpreter or layout): raising is the safe side."""
+        if cls._FIND_SPEC is None or None in cls._LOADING:
+            return True
+        frame = sys._getframe(1).f_back  # find_spec's caller: _find_spec, or a finder asking the others (import_hooks)
+        while frame is not None and frame.f_code is not cls._FIND_SPEC:
+            frame = frame.f_back
+        if frame is None:  # find_spec called directly, not through the machinery: a probe
+            return False
+        return frame.f_back is not None and frame.f_back.f_code in cls._LOADING
 
 
 class _FallbackFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -314,8 +345,11 @@ class ProvideModules(Patch):
     ``modules(device)`` returns ``{name: module}`` put into ``sys.modules`` at once, ahead of any real module
     of that name (a name already imported is left alone). ``fallbacks(device)`` returns stand-ins for modules
     that may be missing: each is served only when no other finder finds the name at import time. ``blocked``
-    maps top-level module names to why they cannot work here: importing one raises ModuleNotFoundError, which
-    frameworks already catch to take their fallback, instead of a CUDA error or a crash later.
+    maps top-level module names to why they cannot work here: importing one (or a submodule) raises
+    ModuleNotFoundError with that reason, which frameworks already catch to take their fallback, instead of a CUDA
+    error or a crash later. A probe is not refused: ``importlib.util.find_spec`` of a blocked name answers None,
+    or the spec of a module of that name installed on disk (which still cannot be imported); a submodule's probe
+    imports its parent, which raises, as for any missing parent.
     """
 
     name: str

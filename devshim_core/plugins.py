@@ -1,12 +1,15 @@
 """Plugin discovery: load every ``devshim`` entry point tolerantly and ask each one to detect its device.
 
-A plugin that fails to import, breaks the hook contract, raises in detection or answers nonsense is
-recorded with its error and skipped; the others keep working. Nothing here touches a framework.
+A plugin that fails to import, breaks the hook contract, raises in detection, answers nonsense or does not answer
+within the detection time limit is recorded with its error and skipped; the others keep working. A forced plugin
+(``DEVSHIM_PLUGIN``) is the only one loaded and detected. A name that two distributions register is refused for
+both unless ``DEVSHIM_PLUGIN=name@distribution`` picks one. Nothing here touches a framework.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import threading
 import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -87,15 +90,10 @@ class PluginRegistry:
 
     def add(self, record: PluginRecord, loader: Any) -> None:
         """Load ``record``'s plugin with ``loader()`` (an entry point's ``load`` or a constant) and register it:
-        one object per plugin, whose hook implementations are the plugin's answers."""
-        if record.name in self.records:
-            first = self.records[record.name]
-            record.skipped = (f"conflict: plugin name {record.name!r} is also provided by "
-                              f"{first.distribution or first.entry_point}; this one was ignored "
-                              "(uninstall one of the two distributions)")
-            self.records[f"{record.name}@{record.distribution}"] = record
-            return
-        self.records[record.name] = record
+        one object per plugin, whose hook implementations are the plugin's answers. A record whose name is taken
+        already is kept under ``name@distribution``; :func:`discover` refuses such names before loading them."""
+        key = record.name if record.name not in self.records else f"{record.name}@{record.distribution}"
+        self.records[key] = record
         if record.skipped:
             return
         try:
@@ -136,15 +134,36 @@ class PluginRegistry:
         caller = self.manager.subset_hook_caller(hook, remove_plugins=others)
         return caller(**kwargs)
 
-    def detect(self, record: PluginRecord) -> None:
-        try:
-            report = self.call(record, "devshim_detect")
-        except BaseException as exc:  # like import: a plugin's sys.exit() must not end discovery (or pip)
+    def detect(self, record: PluginRecord, timeout: float = 0.0) -> None:
+        """Ask ``record``'s plugin for its report, waiting at most ``timeout`` seconds (0: no limit). A plugin that
+        does not answer in time is recorded as timed out; its detection goes on in a daemon thread, ignored."""
+        outcome: dict[str, Any] = {}
+
+        def ask() -> None:
+            try:
+                outcome["report"] = self.call(record, "devshim_detect")
+            except BaseException as exc:  # like import: a plugin's sys.exit() must not end discovery (or pip)
+                outcome["error"], outcome["detail"] = exc, traceback.format_exc()
+
+        if timeout > 0:
+            worker = threading.Thread(target=ask, name=f"devshim-detect-{record.name}", daemon=True)
+            worker.start()
+            worker.join(timeout)
+            if worker.is_alive():
+                record.error = (f"detection timed out after {timeout:g} s (the plugin's devshim_detect did not "
+                                "return; raise the limit with DEVSHIM_DETECT_TIMEOUT=<seconds>, or block the plugin "
+                                f"with DEVSHIM_DISABLED_PLUGINS={record.name})")
+                return
+        else:
+            ask()
+        if "error" in outcome:
+            exc = outcome["error"]
             if isinstance(exc, KeyboardInterrupt):
-                raise
+                raise exc
             record.error = f"detection raised {_short_error(exc)}"
-            record.error_detail = traceback.format_exc()
+            record.error_detail = outcome["detail"]
             return
+        report = outcome["report"]
         if not isinstance(report, DeviceReport):
             record.error = (f"devshim_detect returned {type(report).__name__} ({report!r:.80}); "
                             "it must return a devshim_core.DeviceReport")
@@ -164,21 +183,66 @@ def _distribution_of(entry_point: metadata.EntryPoint) -> tuple[str | None, str 
     return name_and_version(dist)
 
 
+def _origin(record: PluginRecord) -> str:
+    return f"{record.distribution} {record.version}" if record.distribution else str(record.entry_point)
+
+
+def _refuse_conflicts(candidates: list[tuple[PluginRecord, Any]], settings: Settings) -> None:
+    """Two distributions registering one name: neither is loaded (which one would win depends on nothing the user
+    chose), unless ``DEVSHIM_PLUGIN=name@distribution`` picks one."""
+    by_name: dict[str, list[PluginRecord]] = {}
+    for record, _ in candidates:
+        by_name.setdefault(record.name, []).append(record)
+    for name, records in by_name.items():
+        if len(records) < 2:
+            continue
+        origins = " and ".join(_origin(r) for r in records)
+        picked = settings.forced_distribution if settings.forced == name else None
+        for record in records:
+            if picked is not None and record.distribution == picked:
+                continue
+            if record.skipped:
+                continue
+            record.skipped = (f"conflict: plugin name {name!r} is registered by {origins}; devshim loads "
+                              f"{'only ' + picked if picked else 'neither'}. Uninstall one, or pick one with "
+                              f"DEVSHIM_PLUGIN={name}@<distribution>")
+
+
 def discover(settings: Settings, extra: Iterable[tuple[str, Any]] = ()) -> PluginRegistry:
     """Load and detect every plugin of the ``devshim`` entry-point group (plus ``extra`` (name, plugin)
     pairs registered in-process, for embedding) according to ``settings``."""
     registry = PluginRegistry()
     entry_points = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP),
                           key=lambda ep: (ep.name, _distribution_of(ep)[0] or ""))
+    candidates: list[tuple[PluginRecord, Any]] = []
     for ep in entry_points:
         distribution, version = _distribution_of(ep)
-        record = PluginRecord(name=ep.name, distribution=distribution, version=version, entry_point=ep.value,
-                              skipped=settings.wants_loaded(ep.name))
-        registry.add(record, ep.load)
+        candidates.append((PluginRecord(name=ep.name, distribution=distribution, version=version,
+                                        entry_point=ep.value, skipped=settings.wants_loaded(ep.name)), ep.load))
     for name, plugin in extra:
-        record = PluginRecord(name=name, entry_point="<in-process>", skipped=settings.wants_loaded(name))
-        registry.add(record, lambda plugin=plugin: plugin)
+        candidates.append((PluginRecord(name=name, entry_point="<in-process>", skipped=settings.wants_loaded(name)),
+                           lambda plugin=plugin: plugin))
+    if settings.forced in {record.name for record, _ in candidates}:  # a hung or crashing plugin cannot stop it
+        for record, _ in candidates:
+            if record.name != settings.forced and not record.skipped:
+                record.skipped = (f"not loaded: DEVSHIM_PLUGIN={settings.forced} is forced, and only it is loaded "
+                                  "and detected")
+    _refuse_conflicts(candidates, settings)
+    if settings.forced_distribution is not None and not any(
+            r.name == settings.forced and r.distribution == settings.forced_distribution for r, _ in candidates):
+        from devshim_core.errors import SelectionError
+
+        raise SelectionError(f"DEVSHIM_PLUGIN={settings.forced}@{settings.forced_distribution}: no installed "
+                             f"distribution named {settings.forced_distribution!r} registers the plugin "
+                             f"{settings.forced!r} (see `devshim plugins`).")
+    # the picked distribution of a conflicting name goes first among its namesakes, so that it holds the plain name
+    first: dict[str, int] = {}
+    for index, (record, _) in enumerate(candidates):
+        first.setdefault(record.name, index)
+    candidates.sort(key=lambda item: (first[item[0].name], item[0].skipped is not None))
+    for record, loader in candidates:
+        registry.add(record, loader)
     for record in registry:
         if record.plugin is not None:
-            registry.detect(record)
+            registry.detect(record, settings.detect_timeout)
     return registry

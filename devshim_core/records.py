@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class DeviceTraits:
     streams and events whose waits are already satisfied (right for host-synchronous devices).
     """
 
-    supported_dtypes: tuple[Any, ...]
+    supported_dtypes: tuple[torch.dtype, ...]
     bf16_supported: bool
     fp16_supported: bool
     fp64_supported: bool = True

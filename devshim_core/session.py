@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ class Session:
     selection: Selection
     device: Device
     integrations: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
 
 _lock = threading.RLock()
@@ -36,6 +39,13 @@ def _install_integrations(session: Session) -> None:
                               reason=f"device gaps handled by the {device.plugin} plugin")
         REGISTRY.apply(plugin_set, device)
         session.integrations[plugin_set.name] = f"applied ({len(device.patches)} patches)"
+
+    if device.type == "cuda" and not settings.cuda_facade:
+        # DeepSpeed, Megatron, apex, TransformerEngine and flash-attn work natively here: change nothing
+        session.integrations["devshim"] = (
+            "stands aside: the device is CUDA, so DeepSpeed and Megatron run their own CUDA paths and nothing is "
+            "redirected or blocked (DEVSHIM_CUDA_FACADE=1 routes DeepSpeed through devshim's facade)")
+        return
 
     from devshim_core.integrations.torch_distributed import job_patch_sets
 
@@ -67,7 +77,9 @@ def _install_integrations(session: Session) -> None:
 
         session.integrations["deepspeed"] = install(device)
 
-    if not settings.patch_megatron:
+    if device.type == "cuda":
+        session.integrations["megatron"] = "skipped: the device is CUDA, where Megatron runs its own CUDA paths"
+    elif not settings.patch_megatron:
         session.integrations["megatron"] = "skipped: DEVSHIM_PATCH_MEGATRON=0"
     else:
         from devshim_core.integrations.megatron.install import install as install_megatron
@@ -92,6 +104,11 @@ def activate(environ: Mapping[str, str] | None = None, extra_plugins: Any = ()) 
         device = build_device(registry, selection)
         device.prepare_process()
         session = Session(settings, registry, selection, device)
+        warning = selection.fallback_warning()
+        if warning is not None:
+            session.warnings.append(warning)
+            if _is_rank_zero():
+                print(warning, file=sys.stderr)
         try:
             _install_integrations(session)
         except BaseException:
@@ -99,6 +116,12 @@ def activate(environ: Mapping[str, str] | None = None, extra_plugins: Any = ()) 
             raise
         _active = session
         return session
+
+
+def _is_rank_zero() -> bool:
+    """Rank 0 of a launched job, or a process that no launcher started (the launcher itself included)."""
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")).strip()
+    return rank in ("", "0")
 
 
 def current() -> Session | None:

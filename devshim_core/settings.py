@@ -6,22 +6,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from devshim_core.env_values import parse_bool
 from devshim_core.errors import ConfigError
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-
-
-def parse_bool(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(f"{name}={raw!r} is not a boolean: use 1 or 0 (also accepted: true/false, yes/no, on/off).")
+__all__ = ["Settings", "parse_bool", "parse_names", "parse_seconds"]
 
 
 def parse_names(environ: Mapping[str, str], name: str) -> tuple[str, ...]:
@@ -32,6 +20,41 @@ def parse_names(environ: Mapping[str, str], name: str) -> tuple[str, ...]:
             raise ConfigError(f"{name}={raw!r}: {item!r} is not a plugin name; use a comma-separated list such as "
                               "'ascend,sophgo' (see `devshim plugins`).")
     return names
+
+
+def parse_seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):  # also refuses nan
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds: use e.g. {name}={default:g} "
+                          "(0 turns the limit off).")
+    return value
+
+
+def parse_forced(environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """DEVSHIM_PLUGIN: ``name`` or ``name@distribution`` (the latter picks one of two distributions that both
+    register ``name``)."""
+    raw = environ.get("DEVSHIM_PLUGIN", "")
+    name, _, distribution = raw.partition("@")
+    names = parse_names({"DEVSHIM_PLUGIN": name}, "DEVSHIM_PLUGIN") if name.strip() or not distribution else ()
+    if len(names) > 1:
+        raise ConfigError(f"DEVSHIM_PLUGIN={raw!r} names several plugins; it forces exactly one. "
+                          "To restrict discovery to several, use DEVSHIM_DISABLE_PLUGIN_AUTOLOAD=1 with "
+                          "DEVSHIM_PLUGINS=a,b.")
+    distribution = distribution.strip()
+    if "@" in raw and (not names or not distribution or "@" in distribution):
+        raise ConfigError(f"DEVSHIM_PLUGIN={raw!r}: write a plugin name, or name@distribution to pick the "
+                          "distribution of a name that two distributions register (e.g. "
+                          "cpu_reference@devshim-cpu-reference; see `devshim plugins`).")
+    return (names[0] if names else None), (distribution or None)
+
+
+DEFAULT_DETECT_TIMEOUT = 10.0
 
 
 def _emulated_vendor(environ: Mapping[str, str]) -> str | None:
@@ -46,7 +69,8 @@ def _emulated_vendor(environ: Mapping[str, str]) -> str | None:
 class Settings:
     """The switches that steer discovery, selection and patching."""
 
-    forced: str | None = None  # DEVSHIM_PLUGIN
+    forced: str | None = None  # DEVSHIM_PLUGIN (its name part)
+    forced_distribution: str | None = None  # DEVSHIM_PLUGIN=name@distribution
     disabled: tuple[str, ...] = ()  # DEVSHIM_DISABLED_PLUGINS
     autoload: bool = True  # not DEVSHIM_DISABLE_PLUGIN_AUTOLOAD
     allowlist: tuple[str, ...] = ()  # DEVSHIM_PLUGINS (with autoload off)
@@ -56,18 +80,22 @@ class Settings:
     patch_distributed: bool = True  # DEVSHIM_PATCH_DISTRIBUTED: clean exits, named timeouts, plugin agreement
     shared_memory_collectives: bool = True  # DEVSHIM_SHARED_MEMORY_COLLECTIVES: one host's CPU collectives via /dev/shm
     emulate: str | None = None  # DEVSHIM_EMULATE: the vendor whose simulated SDK and emulated device to use
+    require_device: str | None = None  # DEVSHIM_REQUIRE_DEVICE: a selection of another device type is an error
+    detect_timeout: float = DEFAULT_DETECT_TIMEOUT  # DEVSHIM_DETECT_TIMEOUT: seconds per plugin's detection, 0 = none
+    cuda_facade: bool = False  # DEVSHIM_CUDA_FACADE: on a CUDA device, route DeepSpeed through devshim's facade
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
-        forced_names = parse_names(env, "DEVSHIM_PLUGIN")
-        if len(forced_names) > 1:
-            raise ConfigError(f"DEVSHIM_PLUGIN={env['DEVSHIM_PLUGIN']!r} names several plugins; it forces exactly one. "
-                              "To restrict discovery to several, use DEVSHIM_DISABLE_PLUGIN_AUTOLOAD=1 with "
-                              "DEVSHIM_PLUGINS=a,b.")
-        forced = forced_names[0] if forced_names else None
+        forced, forced_distribution = parse_forced(env)
+        required = env.get("DEVSHIM_REQUIRE_DEVICE", "").strip() or None
+        if required is not None and not required.isidentifier():
+            raise ConfigError(f"DEVSHIM_REQUIRE_DEVICE={env['DEVSHIM_REQUIRE_DEVICE']!r} is not a torch device type: "
+                              "write the type the job must run on, e.g. DEVSHIM_REQUIRE_DEVICE=npu (or cuda, tpu, "
+                              "cpu).")
         settings = cls(
             forced=forced,
+            forced_distribution=forced_distribution,
             disabled=parse_names(env, "DEVSHIM_DISABLED_PLUGINS"),
             autoload=not parse_bool(env, "DEVSHIM_DISABLE_PLUGIN_AUTOLOAD", False),
             allowlist=parse_names(env, "DEVSHIM_PLUGINS"),
@@ -77,6 +105,9 @@ class Settings:
             patch_distributed=parse_bool(env, "DEVSHIM_PATCH_DISTRIBUTED", True),
             shared_memory_collectives=parse_bool(env, "DEVSHIM_SHARED_MEMORY_COLLECTIVES", True),
             emulate=_emulated_vendor(env),
+            require_device=required,
+            detect_timeout=parse_seconds(env, "DEVSHIM_DETECT_TIMEOUT", DEFAULT_DETECT_TIMEOUT),
+            cuda_facade=parse_bool(env, "DEVSHIM_CUDA_FACADE", False),
         )
         if forced is not None and forced in settings.disabled:
             raise ConfigError(f"DEVSHIM_PLUGIN={forced} forces a plugin that DEVSHIM_DISABLED_PLUGINS also blocks; "

@@ -54,6 +54,7 @@ LAYOUT: dict[str, tuple[str, ...]] = {
     "plugins/cpu_reference": ("devshim_cpu_reference",),
     "plugins/ascend": ("devshim_ascend",),
     "plugins/sophgo": ("devshim_sophgo",),
+    "plugins/cuda": ("devshim_cuda",),
 }
 # a wheel without these silently falls back to PyTorch or Python code: a release must carry them
 NATIVE_LIBRARIES: dict[str, tuple[str, ...]] = {
@@ -61,7 +62,7 @@ NATIVE_LIBRARIES: dict[str, tuple[str, ...]] = {
     "devshim-kernels": ("devshim_kernels/_native/_adam.", "devshim_kernels/_native/_rowwise.",
                         "devshim_kernels/_native/_aio."),
 }
-PLUGINS = ("cpu_reference", "ascend", "sophgo")
+PLUGINS = ("cpu_reference", "ascend", "sophgo", "cuda")
 DEMO_STEPS = 5
 INSTALL_TIMEOUT = 1800  # a cold pip cache downloads DeepSpeed's dependencies and builds its sdist
 DEMO_TIMEOUT = 600
@@ -325,7 +326,7 @@ def install(venv: Venv, distributions: list[Distribution], artifacts: dict[str, 
         timeout=INSTALL_TIMEOUT, what_to_do="a dependency range in a pyproject.toml may exclude the pinned versions")
     run([str(venv.python), "-m", "pip", "check"], log=logs / "pip-check.log", cwd=cwd, env=clean_env(), timeout=120,
         what_to_do="an installed distribution's requirements are not met")
-    return "torch, deepspeed and the five wheels; pip check is clean"
+    return f"torch, deepspeed and the {len(distributions)} wheels; pip check is clean"
 
 
 PROBE = r"""
@@ -458,7 +459,8 @@ def check_info(venv: Venv, distributions: list[Distribution], logs: Path, cwd: P
     return f"selected cpu_reference ({info['reason']})"
 
 
-STARTUP_PROBE = "import json, sys; print(json.dumps('devshim_core.auto' in sys.modules))"
+# DEVSHIM_AUTO activates devshim inside the process's first `import torch` (devshim_core._startup), not before
+STARTUP_PROBE = "import json, sys, torch; print(json.dumps('devshim_core.auto' in sys.modules))"
 
 
 def check_startup_switch(venv: Venv, logs: Path, cwd: Path) -> str:
@@ -466,9 +468,9 @@ def check_startup_switch(venv: Venv, logs: Path, cwd: Path) -> str:
         env = clean_env(DEVSHIM_AUTO=value) if value else clean_env()
         stdout = run([str(venv.python), "-c", STARTUP_PROBE], log=logs / f"startup-{value or 'unset'}.log", cwd=cwd,
                      env=env, timeout=300)
-        expect(json.loads(stdout) is expected, f"with DEVSHIM_AUTO={value!r}, devshim_core.auto imported at "
-               f"start-up: {not expected}, expected {expected}: is {PTH} in the venv's site-packages?")
-    return f"{PTH} activates devshim only when DEVSHIM_AUTO=1"
+        expect(json.loads(stdout) is expected, f"with DEVSHIM_AUTO={value!r}, devshim_core.auto imported by the "
+               f"first `import torch`: {not expected}, expected {expected}: is {PTH} in the venv's site-packages?")
+    return f"{PTH} activates devshim at the first `import torch` only when DEVSHIM_AUTO=1"
 
 
 def check_demo(venv: Venv, logs: Path, cwd: Path) -> str:

@@ -1,18 +1,29 @@
-"""Spec: ``devshim info`` and ``devshim plugins`` say what was detected, what was chosen and why, what was patched.
+"""Spec: ``devshim info`` and ``devshim plugins`` say what was detected, what was chosen and why, what was patched,
+and the host under it all (``ds_report``'s and ``accelerate env``'s facts); ``devshim --version`` lists the installed
+devshim distributions.
 
 ``info`` activates devshim as ``import devshim_core.auto`` would, so every command runs in a subprocess.
 """
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+import subprocess
+import textwrap
+
 import pytest
 from plugin_fixtures import (
     DEVSHIM_SCRIPT,
     INSTALLED_PLUGINS,
     PYTHON,
+    TESTS_DIR,
     Background,
     checked_json,
     clean_env,
+    run,
+    write_distribution,
 )
 
 TOP_LEVEL_KEYS = {"selected", "reason", "plugins", "patches"}
@@ -30,6 +41,10 @@ COMMANDS = {
     "plugins --json, DEVSHIM_PATCH_DEEPSPEED=maybe": ([DEVSHIM_SCRIPT, "plugins", "--json"],
                                                       clean_env(DEVSHIM_PATCH_DEEPSPEED="maybe")),
     "info --json, DS_ACCELERATOR=cuda": ([DEVSHIM_SCRIPT, "info", "--json"], clean_env(DS_ACCELERATOR="cuda")),
+    "--version": ([DEVSHIM_SCRIPT, "--version"], clean_env()),
+    "--version imports": ([PYTHON, "-c", "import sys\nfrom devshim_core.cli import main\ntry:\n"
+                                         "    main(['--version'])\nexcept SystemExit as exc:\n"
+                                         "    print('exit', exc.code, 'torch' in sys.modules)"], clean_env()),
 }
 
 
@@ -133,6 +148,115 @@ def test_info_in_text_form_with_every_integration_switched_off_says_so_and_patch
     assert "megatron       skipped: DEVSHIM_PATCH_MEGATRON=0" in out
     assert "distributed    skipped: DEVSHIM_PATCH_DISTRIBUTED=0" in out
     assert out.rstrip().endswith("patches:\n  none")
+
+
+# -- the host ------------------------------------------------------------------------------------
+
+
+def test_info_json_reports_the_host_os_cpus_memory_and_shared_memory(info):
+    host = info["host"]
+    assert set(host) == {"os", "cpus", "memory", "shm", "c_compiler", "cxx_compiler", "ninja", "emulator", "runtime"}
+    assert host["os"]["system"] == platform.system() and host["os"]["kernel"] == platform.release()
+    assert host["os"]["machine"] == platform.machine() and host["os"]["platform"] == platform.platform()
+    with open("/etc/os-release") as release:
+        pretty = next(line for line in release if line.startswith("PRETTY_NAME="))
+    assert host["os"]["distro"] == pretty.partition("=")[2].strip().strip('"')
+    assert host["cpus"] == {"count": os.cpu_count(), "usable": len(os.sched_getaffinity(0))}
+    with open("/proc/meminfo") as meminfo:
+        total_kb = int(next(line for line in meminfo if line.startswith("MemTotal:")).split()[1])
+    assert host["memory"]["total"] == total_kb * 1024 and 0 < host["memory"]["available"] <= total_kb * 1024
+    stats = os.statvfs("/dev/shm")
+    assert host["shm"]["path"] == "/dev/shm" and host["shm"]["size"] == stats.f_frsize * stats.f_blocks
+    assert 0 <= host["shm"]["free"] <= host["shm"]["size"]
+
+
+def test_info_json_names_the_compilers_and_ninja_the_native_builds_use(info):
+    host = info["host"]
+    cc = next(name for name in ("cc", "gcc", "clang") if shutil.which(name))
+    first_line = subprocess.run([shutil.which(cc), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    assert host["c_compiler"] == {"name": cc, "path": shutil.which(cc), "version": first_line.strip()}
+    assert host["cxx_compiler"]["path"] == shutil.which(host["cxx_compiler"]["name"])
+    assert host["ninja"]["available"] is True
+    assert host["ninja"]["binary"] == shutil.which("ninja")
+
+
+def test_info_json_says_where_the_emulator_is_built_and_whether_it_is(info):
+    from devshim_core.emulation import build
+
+    emulator = info["host"]["emulator"]
+    assert emulator["cache_root"] == str(build.cache_root())
+    assert emulator["directory"] == str(build.build_directory())
+    assert emulator["state"] in ("built", "building", "missing")
+    assert (emulator["library"] is not None) == (emulator["state"] == "built")
+
+
+def test_info_json_reports_the_selected_plugins_runtime_versions(info):
+    runtime = info["host"]["runtime"]
+    assert runtime["plugin"] == "cpu_reference" and runtime["error"] is None
+    assert isinstance(runtime["versions"], dict)
+
+
+def test_info_in_text_form_has_a_host_section(cli):
+    out = cli["info, every integration off"].stdout
+    host = out[out.index("\nhost:\n"):out.index("\nplugins:\n")]
+    assert f"  os             {platform.system()} {platform.release()} {platform.machine()}, " in host
+    assert f"  cpus           {os.cpu_count()}" in host
+    assert "  memory         " in host and " GiB total, " in host and " available" in host
+    assert "  /dev/shm       " in host and " free" in host
+    assert f"  C compiler     {shutil.which('cc')}: " in host
+    assert f"  ninja          {shutil.which('ninja')}" in host
+    assert "  emulator       " in host and "/emulation/torch-" in host
+    assert "  runtime        (cpu_reference) " in host
+
+
+def test_a_plugins_bad_runtime_versions_answer_is_reported_in_info_not_raised(tmp_path):
+    """The selected plugin's devshim_runtime_versions answers a list: info says so and carries on."""
+    site = tmp_path / "site"
+    write_distribution(site, "acme-devshim", "1.0", {"acme": "acme_versions:plugin"}, files={
+        "acme_versions.py": textwrap.dedent("""\
+            from plugin_fixtures import FakePlugin
+            from devshim_core import hookimpl
+
+            class Acme(FakePlugin):
+                @hookimpl
+                def devshim_runtime_versions(self, report):
+                    return ["1.0"]
+
+            plugin = Acme(priority=50)
+            """)})
+    env = clean_env(pythonpath=[site, TESTS_DIR], DEVSHIM_PATCH_DEEPSPEED="0", DEVSHIM_PATCH_MEGATRON="0")
+    report = checked_json(run([DEVSHIM_SCRIPT, "info", "--json"], env))
+    assert report["selected"] == "acme"
+    assert report["host"]["runtime"] == {
+        "plugin": "acme", "versions": {},
+        "error": "devshim_runtime_versions returned list (['1.0']); it must return a dict of str to str, or None"}
+    text = run([DEVSHIM_SCRIPT, "info"], env)
+    assert text.returncode == 0, text.stderr
+    assert ("  runtime        (acme) error: devshim_runtime_versions returned list (['1.0']); it must return a "
+            "dict of str to str, or None\n") in text.stdout
+
+
+# -- devshim --version ----------------------------------------------------------------------------
+
+
+def test_version_prints_devshim_core_then_each_installed_devshim_distribution_and_exits_0(cli):
+    result = cli["--version"]
+    assert result.returncode == 0, result.stderr
+    plugins = [f"devshim-{name.replace('_', '-')} 0.1.0 (plugin {name})" for name in INSTALLED_PLUGINS]
+    assert result.stdout.splitlines() == ["devshim-core 0.1.0", *sorted([*plugins, "devshim-kernels 0.1.0"])]
+
+
+def test_version_reads_metadata_only_without_importing_torch(cli):
+    assert cli["--version imports"].stdout.splitlines()[-1] == "exit 0 False"
+
+
+def test_version_lists_a_third_party_plugin_distribution_with_the_plugins_it_registers(tmp_path):
+    site = tmp_path / "site"
+    write_distribution(site, "acme-npu-plugin", "2.3.1", {"acme": "acme_plugin", "acme_lite": "acme_plugin:lite"})
+    result = run([DEVSHIM_SCRIPT, "--version"], clean_env(pythonpath=[site]))
+    assert result.returncode == 0, result.stderr
+    assert "acme-npu-plugin 2.3.1 (plugins acme, acme_lite)" in result.stdout.splitlines()
+    assert result.stdout.splitlines()[0] == "devshim-core 0.1.0"
 
 
 # -- devshim plugins -----------------------------------------------------------------------------

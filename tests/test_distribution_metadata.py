@@ -1,4 +1,4 @@
-"""Spec: every devshim distribution declares the metadata a release needs, and the five agree with each other
+"""Spec: every devshim distribution declares the metadata a release needs, and the six agree with each other
 and with the version ranges devshim's code enforces at run time.
 
 Read from the pyproject.toml files, so it is cheap; ``release/check_wheels.py`` checks the same on built and
@@ -20,7 +20,7 @@ from devshim_core.integrations.deepspeed.patches import DEEPSPEED
 from devshim_core.integrations.megatron.flavor import MEGATRON_CORE
 from devshim_core.integrations.torch_distributed import TORCH
 
-DIRECTORIES = (".", "kernels", "plugins/cpu_reference", "plugins/ascend", "plugins/sophgo")
+DIRECTORIES = (".", "kernels", "plugins/cpu_reference", "plugins/ascend", "plugins/sophgo", "plugins/cuda")
 PLUGINS = DIRECTORIES[2:]
 PYTHON_CLASSIFIER = re.compile(r"Programming Language :: Python :: (3\.\d+)$")
 

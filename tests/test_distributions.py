@@ -20,6 +20,6 @@ def test_a_distribution_that_is_not_installed_has_no_version():
 
 def test_name_and_version_of_every_devshim_plugin_distribution_match_their_metadata():
     entry_points = list(metadata.entry_points(group="devshim"))
-    assert {ep.name for ep in entry_points} >= {"cpu_reference", "ascend", "sophgo"}
+    assert {ep.name for ep in entry_points} >= {"cpu_reference", "ascend", "sophgo", "cuda"}
     for ep in entry_points:
         assert name_and_version(ep.dist) == (ep.dist.metadata["Name"], ep.dist.version)

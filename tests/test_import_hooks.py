@@ -147,3 +147,24 @@ def test_is_imported_is_false_for_a_module_that_is_not_in_sys_modules(modules):
     assert import_hooks.is_imported(name) is False
     importlib.import_module(name)
     assert import_hooks.is_imported(name) is True
+
+
+def test_another_thread_importing_the_module_while_a_callback_runs_gets_it_without_waiting(modules):
+    """devshim activates inside the first ``import torch`` (DEVSHIM_AUTO), and each plugin's detection runs on a
+    thread of its own that imports torch again: it must get the finished module, not wait for the import that runs
+    the callback (a deadlock until the detection time limit)."""
+    import threading
+
+    name = modules.write("VALUE = 42\n")
+    seen: list[object] = []
+
+    def callback(module):
+        worker = threading.Thread(target=lambda: seen.append(importlib.import_module(name).VALUE), daemon=True)
+        worker.start()
+        worker.join(10)
+        seen.append("joined" if not worker.is_alive() else "still waiting")
+        seen.append(import_hooks.is_imported(name))
+
+    import_hooks.after_import(name, callback)
+    importlib.import_module(name)
+    assert seen == [42, "joined", True]

@@ -33,7 +33,7 @@ from plugin_fixtures import (
 
 from devshim_core import DeviceReport, hookimpl
 from devshim_core.device import build_device
-from devshim_core.errors import PluginError
+from devshim_core.errors import PluginError, SelectionError
 from devshim_core.plugins import PluginRecord, discover
 from devshim_core.selection import select
 from devshim_core.settings import Settings
@@ -154,20 +154,61 @@ def test_a_plugin_that_exits_while_importing_is_recorded_too(tmp_path, monkeypat
     assert_broken_and_skipped(registry, registry.records["exit_on_import"], "failed to import: SystemExit: 1")
 
 
-def test_two_distributions_registering_the_same_name_keep_the_first_by_distribution_name_and_record_the_other(
-        tmp_path, monkeypatch):
-    """Which one loads must not depend on sys.path order: the records say which was used and which ignored."""
+TWIN_CONFLICT = ("conflict: plugin name 'twin' is registered by devshim-twin-a 1.0 and devshim-twin-b 2.0; devshim "
+                 "loads neither. Uninstall one, or pick one with DEVSHIM_PLUGIN=twin@<distribution>")
+
+
+def test_two_distributions_registering_the_same_name_are_both_refused_naming_both(tmp_path, monkeypatch):
+    """Which one would load could only depend on sys.path or name order, which nobody chose: neither is loaded."""
     install_broken_plugins(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    registry = discover(Settings(), extra=[("healthy", FakePlugin(priority=1))])
-    used, ignored = registry.records["twin"], registry.records["twin@devshim-twin-b"]
-    assert (used.distribution, used.version, used.error, used.skipped) == ("devshim-twin-a", "1.0", None, None)
-    assert used.reason == "not available: twin from devshim-twin-a"
-    assert ignored.name == "twin" and ignored.distribution == "devshim-twin-b" and ignored.plugin is None
-    assert ignored.reason == ("conflict: plugin name 'twin' is also provided by devshim-twin-a; this one was ignored "
-                              "(uninstall one of the two distributions)")
-    assert not ignored.available
-    assert select(registry, Settings()).plugin.name == "healthy"
+    registry = discover(Settings(), extra=[("healthy", FakePlugin(priority=0))])
+    first, second = registry.records["twin"], registry.records["twin@devshim-twin-b"]
+    assert (first.distribution, second.distribution) == ("devshim-twin-a", "devshim-twin-b")
+    for record in (first, second):
+        assert record.plugin is None and record.report is None and not record.available
+        assert record.reason == TWIN_CONFLICT
+    selection = select(registry, Settings())
+    assert selection.plugin.name == "healthy"  # though either twin (priority 1) would have outranked it...
+    assert [r.distribution for r in selection.passed_over if r.name == "twin"] == ["devshim-twin-a", "devshim-twin-b"]
+    assert "twin (" + TWIN_CONFLICT + ")" in selection.fallback_warning()  # ... which the user is told
+
+
+def test_forcing_a_name_two_distributions_register_is_an_error_until_one_is_picked_by_distribution(
+        tmp_path, monkeypatch):
+    install_broken_plugins(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    forced = Settings.from_env({"DEVSHIM_PLUGIN": "twin"})
+    with pytest.raises(SelectionError) as excinfo:
+        select(discover(forced), forced)
+    assert str(excinfo.value).startswith(f"DEVSHIM_PLUGIN=twin is forced but that plugin cannot be used: "
+                                         f"{TWIN_CONFLICT}")
+    picked = Settings.from_env({"DEVSHIM_PLUGIN": "twin@devshim-twin-b"})
+    registry = discover(picked)
+    assert registry.records["twin"].distribution == "devshim-twin-b"
+    assert registry.records["twin"].reason == "twin from devshim-twin-b"
+    assert registry.records["twin@devshim-twin-a"].reason.startswith("conflict: plugin name 'twin' is registered by "
+                                                                     "devshim-twin-a 1.0 and devshim-twin-b 2.0; "
+                                                                     "devshim loads only devshim-twin-b.")
+    assert select(registry, picked).plugin.distribution == "devshim-twin-b"
+    unknown = Settings.from_env({"DEVSHIM_PLUGIN": "twin@devshim-twin-c"})
+    with pytest.raises(SelectionError, match="no installed distribution named 'devshim-twin-c' registers the plugin "
+                                             "'twin'"):
+        discover(unknown)
+
+
+def test_a_distribution_registering_an_installed_plugins_name_cannot_replace_it_even_when_that_name_is_forced(
+        tmp_path, monkeypatch):
+    write_distribution(tmp_path, "zz-impostor", "9.9", {"cpu_reference": "plugin_fixtures.twin:from_a"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    forced = Settings.from_env({"DEVSHIM_PLUGIN": "cpu_reference"})
+    with pytest.raises(SelectionError) as excinfo:
+        select(discover(forced), forced)
+    assert ("plugin name 'cpu_reference' is registered by devshim-cpu-reference 0.1.0 and zz-impostor 9.9; devshim "
+            "loads neither") in str(excinfo.value)
+    picked = Settings.from_env({"DEVSHIM_PLUGIN": "cpu_reference@devshim-cpu-reference"})
+    selection = select(discover(picked), picked)
+    assert (selection.plugin.distribution, selection.plugin.report.device_type) == ("devshim-cpu-reference", "cpu")
 
 
 def test_all_failures_at_once_still_leave_a_working_selection(tmp_path, monkeypatch):
@@ -261,6 +302,5 @@ def test_import_devshim_core_auto_still_works_with_every_kind_of_broken_plugin_i
         assert plugins[name]["error"].startswith(error), plugins[name]
         assert plugins[name]["available"] is False
         assert plugins[name]["distribution"] == BROKEN_DISTRIBUTIONS[name][0]
-    assert plugins["twin@devshim-twin-b"]["reason"].startswith("conflict: plugin name 'twin' is also provided by "
-                                                               "devshim-twin-a")
+    assert plugins["twin"]["reason"] == plugins["twin@devshim-twin-b"]["reason"] == TWIN_CONFLICT
     assert plugins["cpu_reference"]["available"] is True

@@ -21,7 +21,7 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
-from plugin_fixtures import PYTHON, Background, checked_json, clean_env, run
+from plugin_fixtures import INSTALLED_PLUGINS, PYTHON, Background, checked_json, clean_env, run
 
 PYPROJECT = """\
 [build-system]
@@ -152,7 +152,7 @@ def test_the_plugin_is_installed_as_a_distribution_of_the_throwaway_environment_
 def test_devshim_plugins_lists_it_with_its_distribution_and_selects_it_for_its_higher_priority(acme):
     report = acme.devshim("plugins")
     plugins = {p["name"]: p for p in report["plugins"]}
-    assert set(plugins) == {"acme", "ascend", "cpu_reference", "sophgo"}
+    assert set(plugins) == {"acme", *INSTALLED_PLUGINS}
     assert plugins["acme"] == {
         "name": "acme", "distribution": "devshim-acme", "version": "2.5.0", "entry_point": "devshim_acme",
         "available": True, "reason": "1 ACME card (emulated)", "priority": 10, "device_type": "cpu",
@@ -166,7 +166,9 @@ def test_devshim_plugins_lists_it_with_its_distribution_and_selects_it_for_its_h
 def test_a_third_party_plugin_that_would_not_win_can_be_forced_with_devshim_plugin(acme):
     report = acme.devshim("plugins, forced")
     plugins = {p["name"]: p for p in report["plugins"]}
-    assert plugins["acme"]["priority"] < plugins["cpu_reference"]["priority"]
+    assert plugins["acme"]["priority"] < -1000  # below cpu_reference's, which is not even loaded: only acme is
+    assert plugins["cpu_reference"]["reason"] == ("not loaded: DEVSHIM_PLUGIN=acme is forced, and only it is loaded "
+                                                  "and detected")
     assert (report["selected"], report["reason"]) == ("acme", "forced by DEVSHIM_PLUGIN=acme")
 
 

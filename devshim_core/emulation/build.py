@@ -4,6 +4,10 @@ Only emulation asks for it. The build goes to ``$DEVSHIM_CACHE_DIR`` (default ``
 ``TORCH_EXTENSIONS_DIR``, and is guarded by a file lock so that the ranks of a job starting together build
 it once between them. Directories devshim creates there are private (mode 0700), and nothing is built in or
 loaded from a directory another user owns or can write to: a library planted there would run as this user.
+
+The first build says so on stderr (what it builds, where, that it takes about a minute once) and how long it took; a
+process that finds another one building says that it waits. ``devshim info`` reads :func:`build_state`, which
+neither builds nor waits.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import importlib.util
 import os
 import shutil
 import stat
+import sys
 import sysconfig
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -87,11 +93,32 @@ def _private(directory: Path) -> None:
             break
 
 
+def _say(message: str) -> None:
+    print(f"devshim: {message}", file=sys.stderr, flush=True)
+
+
+def _what() -> str:
+    """The device being built, as the user asked for it: ``DEVSHIM_EMULATE``'s vendor and its device type."""
+    from devshim_core.emulation import VENDORS, EmulationError, requested_vendor
+
+    try:
+        vendor = requested_vendor()
+    except EmulationError:
+        vendor = None
+    if vendor is None:  # a plugin author's own enable_device(), or a test
+        return "devshim's emulated device"
+    return f"devshim's emulated {VENDORS[vendor]} device for {vendor} (DEVSHIM_EMULATE={vendor})"
+
+
 @contextlib.contextmanager
 def _locked(directory: Path) -> Iterator[None]:
     _private(directory)
     with open(directory / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process (a rank of the same job, say) is building it
+            _say(f"waiting for another process that is building {_what()} in {directory} (about a minute, once)")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -101,6 +128,29 @@ def _locked(directory: Path) -> Iterator[None]:
 def _built_library(directory: Path, name: str) -> Path | None:
     candidates = sorted(directory.glob(f"{name}*.so"))
     return candidates[0] if candidates else None
+
+
+def build_state() -> tuple[str, Path, Path | None]:
+    """``(state, build directory, library)`` for this source and torch on this machine, found without building,
+    importing or waiting: ``built`` (the library is there), ``building`` (a process holds the build lock) or
+    ``missing`` (the first ``DEVSHIM_EMULATE`` run builds it)."""
+    directory = build_directory()
+    library = _built_library(directory, module_name())
+    if library is not None:
+        return "built", directory, library
+    try:
+        fd = os.open(directory / ".lock", os.O_RDONLY)
+    except OSError:  # no build directory or no lock: nothing was ever started here
+        return "missing", directory, None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return "building", directory, None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    return "missing", directory, None
 
 
 def _import_library(path: Path, name: str) -> ModuleType:
@@ -134,6 +184,17 @@ def _compile(directory: Path, name: str) -> None:
             os.environ.pop("MAX_JOBS", None)
 
 
+def _build(directory: Path, name: str) -> None:
+    """Compile, saying before what is built, where, and that it takes about a minute once; and after, how long it
+    took."""
+    what = _what()
+    _say(f"building {what} into {directory}: a C++ extension compiled once per machine and torch version, which "
+         "takes about a minute on 2 cores; later runs load it")
+    started = time.monotonic()
+    _compile(directory, name)
+    _say(f"built {what} in {time.monotonic() - started:.0f} s")
+
+
 def load_extension() -> ModuleType:
     """The compiled emulator, built first if this machine has no build of this source for this torch."""
     global _loaded
@@ -148,7 +209,7 @@ def load_extension() -> ModuleType:
         with _locked(directory):
             library = _built_library(directory, name)
             if library is None:
-                _compile(directory, name)
+                _build(directory, name)
                 library = _built_library(directory, name)
     if library is None:
         raise EmulationBuildError(f"the emulated device was built in {directory} but no {name}*.so is there")

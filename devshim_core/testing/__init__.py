@@ -15,7 +15,12 @@ that plugin forced (``DEVSHIM_PLUGIN``), as ``import devshim_core.auto`` would, 
 - ``test_kernels``: every kernel the plugin provides against ``devshim_kernels`` on the host, forward and
   backward, over layouts, masks and dtypes (an op the plugin does not provide is skipped, saying so);
 - ``test_deepspeed_smoke`` and ``test_megatron_smoke``: 2-rank jobs under ``torchrun``, matched against a
-  single-process PyTorch reference on the host.
+  single-process PyTorch reference on the host; skipped, saying why, where the plugin reports fewer than 2 devices
+  (a 1-GPU machine), everything else still checked.
+
+The kit checks devshim's facade, so it sets ``DEVSHIM_CUDA_FACADE=1`` before it activates: on a CUDA device, where
+devshim would otherwise stand aside, DeepSpeed then runs on devshim's accelerator and op builders (the plugin's
+kernels), in the pytest process and in the jobs. Megatron keeps its own CUDA paths there either way.
 
 The kit's suite replaces the test paths pytest would have collected (``testpaths``, the current directory);
 paths given on the command line are collected as well. Everything the kit launches inherits the environment,
@@ -33,6 +38,7 @@ import pytest
 SUITE = Path(__file__).parent / "suite"
 OPTION = "--devshim-plugin"
 INI = "devshim_plugin"
+CUDA_FACADE = "DEVSHIM_CUDA_FACADE"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -59,6 +65,9 @@ def pytest_configure(config: pytest.Config) -> None:
     else:  # testpaths or the current directory: the vendor asked for the kit, not for its own tests
         config.args[:] = [str(SUITE)]
     os.environ["DEVSHIM_PLUGIN"] = name  # the jobs the kit launches select the same plugin
+    # on a CUDA device devshim stands aside unless asked: the kit checks devshim's accelerator and op builders, so it
+    # asks, for this process and the jobs it launches (no effect on any other device type)
+    os.environ[CUDA_FACADE] = "1"
     _activate(name)
 
 
@@ -73,6 +82,14 @@ def _activate(name: str) -> None:
     if info.plugin != name:  # an activation earlier in this process (a conftest) chose another plugin
         raise pytest.UsageError(f"devshim was already active with plugin {info.plugin!r} in this process before the "
                                 f"kit could force {name!r}; remove the earlier `import devshim_core.auto`")
+    from devshim_core import session
+
+    active = session.current()
+    if info.device_type == "cuda" and active is not None and not getattr(active.settings, "cuda_facade", True):
+        raise pytest.UsageError(f"devshim was already active on {name!r} in this process, standing aside for CUDA, "
+                                f"before the kit could set {CUDA_FACADE}=1 (DEVSHIM_AUTO=1 activates it at start-up): "
+                                f"set {CUDA_FACADE}=1 too, or unset DEVSHIM_AUTO, so that the kit checks devshim's "
+                                "DeepSpeed accelerator")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:

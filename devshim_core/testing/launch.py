@@ -50,9 +50,10 @@ def free_port() -> int:
 
 def two_rank_reports(device: Any, workdir: Path, job: str) -> list[dict[str, Any]]:
     """:func:`run_two_ranks` on the plugin under test; skipped, saying why, when it has fewer than 2 devices."""
-    if device.device_count() < 2:
-        pytest.skip(f"the 2-rank run needs 2 {device.type} devices; plugin {device.plugin!r} reports "
-                    f"{device.device_count()}")
+    count = device.device_count()
+    if count < 2:
+        pytest.skip(f"the 2-rank run needs 2 {device.type} devices; plugin {device.plugin!r} reports {count} "
+                    f"(the {job} job runs where 2 or more are visible)")
     return run_two_ranks(job, workdir)
 
 

@@ -30,7 +30,7 @@ TESTS_DIR = Path(__file__).resolve().parent.parent  # holds this package: put it
 PROJECT_DIR = TESTS_DIR.parent
 PYTHON = sys.executable
 DEVSHIM_SCRIPT = Path(sys.executable).with_name("devshim")
-INSTALLED_PLUGINS = ("ascend", "cpu_reference", "sophgo")  # the project's own distributions, all installed
+INSTALLED_PLUGINS = ("ascend", "cpu_reference", "cuda", "sophgo")  # the project's own distributions, all installed
 
 
 class FakePlugin:

@@ -1,7 +1,8 @@
 """One rank of the kit's Megatron smoke run: megatron-core's tensor-parallel MLP on 2 ranks (TP=2).
 
 Each rank also computes the same MLP with the full (gathered) weights in plain PyTorch on the host, and reports
-both, step by step, with the model-parallel RNG's behaviour, to ``--out``/rank<N>.json.
+both, step by step, with the model-parallel RNG's behaviour and what devshim did with Megatron (patched through the
+plugin, or, on a CUDA device, left on its own CUDA paths), to ``--out``/rank<N>.json.
 """
 
 import devshim_core.auto  # noqa: F401, I001 - first: detect, select the plugin under test, patch
@@ -84,6 +85,7 @@ def main() -> None:
     final = {"up": (gathered(up.weight.detach(), 0) - w_up.detach()).abs().max().item(),
              "down": (gathered(down.weight.detach(), 1) - w_down.detach()).abs().max().item()}
     report = {"rank": dist.get_rank(), "local_rank": local_rank, "plugin": facade.plugin,
+              "megatron_integration": session.current().integrations.get("megatron"),
               "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
               "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
               "weight_device": str(up.weight.device), "shard_shapes": [list(up.weight.shape), list(down.weight.shape)],

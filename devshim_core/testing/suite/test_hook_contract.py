@@ -116,6 +116,18 @@ def test_a_host_adam_kernel_steps_as_torch_adamw(devshim_device: Any) -> None:
     torch.testing.assert_close(p, param.detach(), atol=1e-6, rtol=1e-5)
 
 
+def test_runtime_versions_are_names_to_version_strings(devshim_session: Any) -> None:
+    """``devshim_runtime_versions`` (for ``devshim info`` and bug reports): string names to non-empty version strings,
+    what cannot be read left out rather than guessed; ``None`` when the plugin reads none."""
+    record = devshim_session.selection.plugin
+    versions = devshim_session.registry.call(record, "devshim_runtime_versions", report=record.report)
+    if versions is None:  # allowed: the plugin reads none
+        return
+    assert isinstance(versions, dict), f"devshim_runtime_versions returned {type(versions).__name__}, not a dict"
+    wrong = {k: v for k, v in versions.items() if not (isinstance(k, str) and k and isinstance(v, str) and v.strip())}
+    assert wrong == {}, f"every name and version must be a non-empty string: {wrong}"
+
+
 def test_the_plugins_patches_were_applied_whole_as_one_set(devshim_device: Any) -> None:
     patches = devshim_device.patches
     assert all(isinstance(patch, Patch) for patch in patches)

@@ -4,6 +4,10 @@ A column-parallel then row-parallel MLP trains for a few SGD steps; each rank al
 gathered full weights in plain PyTorch on the host. The losses and the final weights must match within
 ``RTOL``/``ATOL`` (fp32; the sharded matmuls sum in another order than the full ones). The model-parallel RNG
 tracker must give each TP rank its own stream on the device, and the default generator the same stream.
+
+On a CUDA device devshim does not patch Megatron (each rank reports its ``megatron_integration`` as skipped): the
+same checks then hold Megatron's own CUDA paths, on the devices, backend (NCCL) and RNG the plugin declares, to the
+host's numerics. Skipped, saying why, where the plugin reports fewer than 2 devices.
 """
 
 from __future__ import annotations

@@ -106,3 +106,10 @@ def devshim_attention_kernels(report: DeviceReport) -> AttentionKernels:
     from devshim_sophgo import kernels
 
     return kernels.attention_kernels()
+
+
+@hookimpl
+def devshim_runtime_versions(report: DeviceReport) -> dict[str, str]:
+    from devshim_sophgo import versions
+
+    return versions.runtime_versions()

@@ -8,36 +8,10 @@ refuses.
 
 from __future__ import annotations
 
+from devshim_core.allocator_config import roundup_divisions, split_items
+
 CONFIG_ENV = "PYTORCH_TPU_ALLOC_CONF"
 _KEYS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions")
-
-
-def _items(value: str) -> list[str]:
-    """The comma-separated ``key:value`` items, a bracketed list staying one value (``[64:8,>:1]``)."""
-    items, current, depth = [], [], 0
-    for char in value:
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"{value!r} closes a ']' it never opened")
-        if char == "," and depth == 0:
-            items.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    if depth:
-        raise ValueError(f"{value!r} opens a '[' it never closes")
-    items.append("".join(current))
-    return [item.strip() for item in items if item.strip()]
-
-
-def _power_of_two(text: str, zero: bool = False) -> bool:
-    if not text.isdigit():
-        return False
-    number = int(text)
-    return (number == 0 and zero) or (number > 0 and number & (number - 1) == 0)
 
 
 def _fraction(text: str) -> bool:
@@ -47,31 +21,18 @@ def _fraction(text: str) -> bool:
         return False
 
 
-def _roundup(text: str) -> bool:
-    """A power of two, or ``[interval:divisions,...]`` with power-of-two intervals (``>`` for the rest) and
-    divisions that are powers of two or 0 (PyTorch's ``roundup_power2_divisions``)."""
-    if not (text.startswith("[") and text.endswith("]")):
-        return _power_of_two(text)
-    entries = [entry.strip() for entry in text[1:-1].split(",")]
-    for entry in entries:
-        interval, sep, divisions = (part.strip() for part in entry.partition(":"))
-        if not sep or not (interval == ">" or _power_of_two(interval)) or not _power_of_two(divisions, zero=True):
-            return False
-    return bool(entries)
-
-
 _VALUES = {
     "expandable_segments": (lambda v: v in ("True", "False"), "True or False"),
     "max_split_size_mb": (lambda v: v.isdigit() and int(v) > 20, "a size in MB greater than 20"),
     "garbage_collection_threshold": (_fraction, "a fraction strictly between 0 and 1"),
-    "roundup_power2_divisions": (_roundup, "a power of 2, or a list such as [64:8,256:4,>:1] of power-of-2 "
+    "roundup_power2_divisions": (roundup_divisions, "a power of 2, or a list such as [64:8,256:4,>:1] of power-of-2 "
                                            "sizes in MB (> for the rest) to powers of 2 (or 0)"),
 }
 
 
 def validate_config(value: str) -> None:
     settings: dict[str, str] = {}
-    for item in _items(value):
+    for item in split_items(value):
         key, sep, setting = item.partition(":")
         if not sep or not setting.strip():
             raise ValueError(f"{item!r} is not key:value (e.g. max_split_size_mb:128)")
