@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.devshim-installed
-DISTRIBUTIONS := -e . -e kernels -e plugins/cpu_reference -e plugins/ascend -e plugins/sophgo -e plugins/cuda
+DISTRIBUTIONS := -e . -e kernels -e plugins/cpu_reference -e plugins/ascend -e plugins/sophgo -e plugins/cuda -e emulation
 # what the install builds: the native sources (kernels, the CUDA redirect's wrappers) are compiled by pip, so a
-# change to them reinstalls
-BUILD_INPUTS := pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml requirements-dev.txt constraints.txt \
+# change to them reinstalls (the emulator's C++ source, emulation/devshim_emulation/csrc, is not: the first
+# DEVSHIM_EMULATE run compiles it into ~/.cache/devshim, keyed by its hash, and the editable install reads it in place)
+BUILD_INPUTS := pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml emulation/pyproject.toml \
+	requirements-dev.txt constraints.txt \
 	build_support/* setup.py devshim_core/integrations/cuda_redirect/_native.c \
 	$(wildcard kernels/setup.py kernels/devshim_kernels/_native/*.c kernels/devshim_kernels/_native/*.h)
 # a test run never compiles DeepSpeed ops; a stray attempt would land here, not in ~/.cache
@@ -99,12 +101,14 @@ $(DOCS_STAMP): requirements-docs.txt
 	touch $(DOCS_STAMP)
 
 # the docs site, built strictly (a broken link, anchor or docstring reference fails) into build/site; the patch
-# table is first rewritten from the registry: docs/patches.md's header is kept, the rows below it regenerated
+# table is first rewritten from the registry: docs/patches.md's header is kept, the rows below it regenerated; and the
+# user guide's table of DEVSHIM_* switches from their declarations (devshim_core/switches.py)
 docs: $(STAMP) $(DOCS_STAMP)
 	mkdir -p build
 	{ sed '/^| set |/,$$d' docs/patches.md && \
 		PYTHONWARNINGS=ignore DEVSHIM_PLUGIN=cpu_reference $(VENV)/bin/devshim patches --markdown; } > build/patches.md
 	mv build/patches.md docs/patches.md
+	$(PY) docs_support/settings_table.py docs/user-guide.md
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir build/site
 
 lint: $(STAMP)

@@ -88,7 +88,7 @@ def run(quick: bool = False) -> list[Result]:
         workdir = Path(tmp)
         caches = {name: workdir / f"extensions-{name}" for name in CONTENDERS}
         # build (or find) the emulator once, before any run is timed
-        subprocess.run([sys.executable, "-c", "from devshim_core.emulation import build; build.load_extension()"],
+        subprocess.run([sys.executable, "-c", "from devshim_emulation import build; build.load_extension()"],
                        env=_env("devshim", caches["devshim"]), cwd=ROOT, check=True, capture_output=True)
         medians: dict[str, list[float]] = {name: [] for name in CONTENDERS}
         losses: dict[str, list[float]] = {}

@@ -6,9 +6,9 @@ called back the moment ``torch`` has finished importing, and activates then, ins
 before the script's next line runs. A process that never imports torch (``pip``, tools) pays for this module and
 the import hook alone. When torch's first import comes from a devshim module itself (``devshim info``, ``import
 devshim_core.auto``), that caller activates. (DEVSHIM_EMULATE reaches processes that never import devshim through
-``devshim_torch_backend``, on ``import torch``.) A failure here must not take down every Python process of the
-environment (pip included): it is printed, and the user's own ``import devshim_core.auto`` raises it again with
-the full traceback.
+devshim-emulation's ``torch.backends`` entry point, on ``import torch``.) A failure here must not take down every
+Python process of the environment (pip included): it is printed, and the user's own ``import devshim_core.auto``
+raises it again with the full traceback.
 """
 
 import os

@@ -20,16 +20,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-# integration name -> the module whose import fires its armed patch sets
-_ARMED_BY = {"deepspeed": "deepspeed", "megatron": "megatron.core"}
-
 
 @dataclass(frozen=True)
 class SessionInfo:
     """A snapshot of devshim's state in this process, taken when it was asked for.
 
     Integrations armed for a framework that was not imported yet say so (``"armed: ..."``); a later
-    :func:`active_session` shows them applied once the script has imported the framework.
+    :func:`active_session` shows them applied once the script has imported the framework (each integration reports
+    the moment its sets fire).
     """
 
     plugin: str
@@ -50,6 +48,9 @@ class SessionInfo:
     """A notice when the device is devshim's emulation (``DEVSHIM_EMULATE``), not hardware."""
     warnings: tuple[str, ...] = ()
     """What activation printed on stderr: the plugins passed over for the selected one, and why."""
+    disabled: tuple[Mapping[str, Any], ...] = ()
+    """One row per patch set or single patch left out by ``DEVSHIM_DISABLE``: set, patch (``None``: the whole
+    set) and reason."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data under the keys ``devshim info --json`` uses for the same facts."""
@@ -60,20 +61,13 @@ class SessionInfo:
             "plugins": [dict(p) for p in self.plugins],
             "integrations": dict(self.integrations),
             "patches": [dict(p) for p in self.patches],
+            "disabled": [dict(d) for d in self.disabled],
         }
         if self.emulation is not None:
             report["emulation"] = self.emulation
         if self.warnings:
             report["warnings"] = list(self.warnings)
         return report
-
-
-def integration_status(name: str, status: str) -> str:
-    """``status`` as it stands now: an armed integration whose framework was imported since is applied."""
-    module = _ARMED_BY.get(name)
-    if module is not None and status.startswith("armed: applied") and module in sys.modules:
-        return status.replace("armed: applied", "applied", 1)
-    return status
 
 
 def emulation_notice(vendor: str, device_type: str) -> str:
@@ -92,10 +86,11 @@ def _snapshot(session: Any) -> SessionInfo:
         reason=session.selection.reason,
         device=MappingProxyType(session.device.describe()),
         plugins=tuple(MappingProxyType(r.as_dict()) for r in session.registry),
-        integrations=MappingProxyType({k: integration_status(k, v) for k, v in session.integrations.items()}),
+        integrations=MappingProxyType(dict(session.integrations)),
         patches=tuple(MappingProxyType(row) for row in REGISTRY.report()),
         emulation=None if vendor is None else emulation_notice(vendor, session.device.type),
         warnings=tuple(session.warnings),
+        disabled=tuple(MappingProxyType(row) for row in REGISTRY.disabled_report()),
     )
 
 

@@ -12,7 +12,7 @@ import platform
 import sys
 from typing import Any
 
-from devshim_core import api, cuda_check, host_report
+from devshim_core import api, cuda_check, host_report, switches
 from devshim_core.cuda_check import report as check_report
 from devshim_core.distributions import installed_version, name_and_version
 from devshim_core.errors import ConfigError, DevshimError
@@ -68,11 +68,11 @@ def _versions() -> dict[str, str | None]:
 
 
 def _supported() -> dict[str, str]:
-    """The framework versions devshim's integrations support, as their patch sets declare them."""
-    from devshim_core.integrations.deepspeed.patches import DEEPSPEED
-    from devshim_core.integrations.megatron.flavor import MEGATRON_CORE
+    """The framework versions devshim's integrations support, as their records declare them (torch aside)."""
+    from devshim_core.integrations import table
 
-    return {DEEPSPEED.distribution: DEEPSPEED.spec, MEGATRON_CORE.distribution: MEGATRON_CORE.spec}
+    return {i.framework.distribution: i.framework.spec for i in table.load()
+            if i.framework is not None and i.framework.distribution != "torch"}
 
 
 def plugins_report() -> dict[str, Any]:
@@ -153,9 +153,10 @@ def _print_host(host: dict[str, Any]) -> None:
     print(f"  {'ninja':<14} {', '.join(ninja_sources) if ninja_sources else 'none (pip install ninja)'}")
     emulator = host["emulator"]
     state = emulator["state"]
-    where = emulator["library"] or emulator["directory"] or emulator["cache_root"]
+    where = emulator["library"] or emulator["directory"] or emulator["cache_root"] or "devshim-emulation"
     note = {"missing": " (the first DEVSHIM_EMULATE run builds it, about a minute)",
-            "building": " (another process is compiling it now)"}.get(state, "")
+            "building": " (another process is compiling it now)",
+            "not installed": " (DEVSHIM_EMULATE needs it: pip install ./emulation)"}.get(state, "")
     if emulator.get("error"):
         note = f" ({emulator['error']})"
     print(f"  {'emulator':<14} {state}: {where}{note}")
@@ -202,6 +203,8 @@ def _print_info(report: dict[str, Any]) -> None:
     for p in report["patches"]:
         print(f"  [{p['set']}] {p['name']}: {p['target']} -- {p['detail']}")
         print(f"      why: {p['reason']}")
+    for d in report.get("disabled", []):
+        print(f"  [{d['set']}] {d['patch'] or '(the whole set)'}: not applied, {d['reason']}")
 
 
 def check(paths: list[str], as_json: bool) -> int:
@@ -226,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--json", action="store_true", help="machine-readable output")
     command = sub.add_parser("patches", help="activate, import the installed frameworks, list every patch applied")
     command.add_argument("--markdown", action="store_true", help="as the Markdown table in docs/patches.md")
+    command = sub.add_parser("settings", help="every DEVSHIM_* variable: what it takes, its default and effect")
+    command.add_argument("--markdown", action="store_true", help="as the table in docs/user-guide.md")
     command = sub.add_parser("check", help="list a script's CUDA-only constructs: redirected, or what to change")
     command.add_argument("paths", nargs="+", metavar="PATH", help="Python files, or directories scanned for *.py")
     command.add_argument("--json", action="store_true", help="the findings as a JSON list")
@@ -233,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "check":
             return check(args.paths, args.json)
+        if args.command == "settings":
+            print(switches.markdown() if args.markdown else switches.text())
+            return 0
         if args.command == "patches":
             from devshim_core.patch_table import collect, markdown
 

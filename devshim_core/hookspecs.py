@@ -160,9 +160,10 @@ def devshim_offload_io(report: DeviceReport) -> OffloadIO | None:
 
     Return: an :class:`OffloadIO`. devshim serves DeepSpeed's ``async_io`` op with its ``file_io`` (handles,
     synchronous and asynchronous reads and writes, ``wait``, pinned host buffers); a transfer that fails raises
-    :class:`OSError` naming the file, never DeepSpeed's -1. ``None``, or ``file_io=None``, means the op refuses
-    to load with a RuntimeError naming the plugin, so ``offload_param``/``offload_optimizer`` with
-    ``device: nvme`` fail at engine creation; nothing is compiled.
+    :class:`OSError` naming the file, never DeepSpeed's -1. ``None`` (or no implementation) means devshim's host
+    default, the same for every device (:func:`devshim_core.host_defaults.offload_io`: devshim-kernels' file I/O).
+    ``file_io=None`` means the op refuses to load with a RuntimeError naming the plugin and ``source``, so
+    ``offload_param``/``offload_optimizer`` with ``device: nvme`` fail at engine creation; nothing is compiled.
     """
 
 
@@ -213,7 +214,7 @@ def devshim_patches(report: DeviceReport) -> list[Patch] | None:
 
     Contract: each :class:`~devshim_core.patching.Patch` names its target, why it exists and, in
     ``requires``, the version ranges it is valid for. The core applies the plugin's patches as one set,
-    ``plugin:<name>``, before any framework integration: all of them or none (an unmet ``requires`` or a
+    ``plugin-<name>``, before any framework integration: all of them or none (an unmet ``requires`` or a
     failing patch stops activation with a PatchError naming the patch), reported by ``devshim info`` and
     reverted by the core's registry. Never patch anything from this hook directly.
 

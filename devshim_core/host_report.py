@@ -127,17 +127,10 @@ def ninja_facts() -> dict[str, Any]:
 
 def emulator_facts() -> dict[str, Any]:
     """Where the emulated device is built, and whether it is: built, building (another process holds the build
-    lock) or missing (the first ``DEVSHIM_EMULATE`` run builds it)."""
-    from devshim_core.emulation import build
+    lock) or missing (the first ``DEVSHIM_EMULATE`` run builds it); ``not installed`` without devshim-emulation."""
+    from devshim_core import emulator
 
-    facts: dict[str, Any] = {"cache_root": str(build.cache_root())}
-    try:
-        state, directory, library = build.build_state()
-    except Exception as exc:  # e.g. an unreadable source: report it, never fail the report
-        facts.update(state="unknown", directory=None, library=None, error=f"{type(exc).__name__}: {exc}")
-        return facts
-    facts.update(state=state, directory=str(directory), library=str(library) if library else None)
-    return facts
+    return emulator.cache_state()
 
 
 def runtime_versions(registry: Any, record: Any) -> dict[str, Any]:

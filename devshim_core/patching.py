@@ -10,6 +10,7 @@ whole set. Declaring a patch changes nothing; only :meth:`PatchRegistry.apply` d
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from devshim_core import import_hooks
+from devshim_core import import_hooks, log
 from devshim_core.distributions import installed_version
 from devshim_core.errors import PatchError
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from devshim_core.device import Device
 
 Undo = Callable[[], None]
+logger = log.logger("patching")
 
 # -- version ranges ----------------------------------------------------------------------------
 
@@ -451,9 +453,16 @@ def replaced_functions(*targets: str) -> Callable[[Device], list[tuple[Any, Any]
     return pairs
 
 
+NAME_PATTERN = re.compile(r"^[a-z0-9_]+(?:[.-][a-z0-9_]+)*$")
+
+
 @dataclass(frozen=True)
 class PatchSet:
-    """Patches that only make sense together, for the versions in ``requires`` (and each patch's own)."""
+    """Patches that only make sense together, for the versions in ``requires`` (and each patch's own).
+
+    Names follow one convention, :data:`NAME_PATTERN`: lower-case words joined by ``-`` (a dotted module path such as
+    ``torch.distributed`` may lead), the integration's name first (``megatron-core-jit``, ``plugin-ascend``), and no
+    ``:``, which separates a set from a patch in ``DEVSHIM_DISABLE=set:patch``."""
 
     name: str
     requires: tuple[Requirement, ...]
@@ -473,14 +482,36 @@ class AppliedPatchSet:
     patch_set: PatchSet
     applied: list[AppliedPatch]
     versions: dict[str, str | None]
+    disabled: str | None = None  # why the whole set was left out (DEVSHIM_DISABLE); nothing of it is applied
 
 
 class PatchRegistry:
-    """What is applied in this process, in order; the single place that changes anything."""
+    """What is applied in this process, in order; the single place that changes anything.
+
+    Sets and single patches can be disabled by name (:meth:`disable`, from ``DEVSHIM_DISABLE``): a disabled set is
+    never applied, and a set one of whose patches is disabled is applied without it. Both are reported
+    (:meth:`disabled_report`)."""
 
     def __init__(self) -> None:
         self._applied: dict[str, AppliedPatchSet] = {}
         self._lock = threading.RLock()
+        self._disabled: dict[str, str] = {}  # "set" or "set:patch" -> why
+        self._skipped: dict[str, str] = {}  # what was left out, when a set came to be applied -> why
+
+    def disable(self, names: Mapping[str, str]) -> None:
+        """Leave out the sets and ``set:patch`` entries named (mapping each to why, e.g. ``DEVSHIM_DISABLE=x``) from
+        every later :meth:`apply`; replaces what an earlier call disabled."""
+        with self._lock:
+            self._disabled = dict(names)
+
+    def disabled_report(self) -> list[dict[str, str | None]]:
+        """One row per set or patch left out because it was disabled: ``set``, ``patch`` (``None`` for a whole set)
+        and ``reason``."""
+        rows: list[dict[str, str | None]] = []
+        for key, why in self._skipped.items():
+            set_name, _, patch = key.partition("\0")
+            rows.append({"set": set_name, "patch": patch or None, "reason": why})
+        return rows
 
     def is_applied(self, name: str) -> bool:
         return name in self._applied
@@ -521,6 +552,12 @@ class PatchRegistry:
         with self._lock:
             if patch_set.name in self._applied:
                 return self._applied[patch_set.name]
+            why = self._disabled.get(patch_set.name)
+            if why is not None:
+                self._skipped[patch_set.name] = why
+                logger.debug("patch set %s not applied: %s", patch_set.name, why)
+                return AppliedPatchSet(patch_set, [], {}, disabled=why)
+            patch_set = self._without_disabled_patches(patch_set)
             problems = self.check(patch_set)
             if problems:
                 raise PatchError(f"cannot apply devshim's {patch_set.name!r} patches: {'; '.join(problems)}.")
@@ -536,10 +573,24 @@ class PatchRegistry:
                                      f"{_installed_versions(patch_set, patch)}. "
                                      "Nothing of this set was left applied.") from exc
                 applied.append(AppliedPatch(patch, detail, undo))
+                logger.debug("applied %s:%s (%s): %s", patch_set.name, patch.name, patch.target_description(), detail)
             record = AppliedPatchSet(patch_set, applied,
                                      {r.distribution: r.installed() for r in _requirements(patch_set)})
             self._applied[patch_set.name] = record
             return record
+
+    def _without_disabled_patches(self, patch_set: PatchSet) -> PatchSet:
+        kept = []
+        for patch in patch_set.patches:
+            why = self._disabled.get(f"{patch_set.name}:{patch.name}")
+            if why is None:
+                kept.append(patch)
+            else:
+                self._skipped[f"{patch_set.name}\0{patch.name}"] = why
+                logger.debug("patch %s:%s not applied: %s", patch_set.name, patch.name, why)
+        if len(kept) == len(patch_set.patches):
+            return patch_set
+        return dataclasses.replace(patch_set, patches=tuple(kept))
 
     def revert(self, name: str) -> bool:
         with self._lock:
@@ -553,6 +604,7 @@ class PatchRegistry:
     def revert_all(self) -> None:
         for name in reversed(list(self._applied)):
             self.revert(name)
+        self._skipped.clear()
 
     def report(self) -> list[dict[str, Any]]:
         """One row per applied patch. ``requires`` is the range each distribution had to be in for this patch:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pluggy
 
-from devshim_core import hookspecs
+from devshim_core import hookspecs, log, switches
 from devshim_core.distributions import name_and_version
 from devshim_core.records import DeviceReport
 from devshim_core.settings import Settings
@@ -208,6 +208,16 @@ def _refuse_conflicts(candidates: list[tuple[PluginRecord, Any]], settings: Sett
                               f"DEVSHIM_PLUGIN={name}@<distribution>")
 
 
+def _warn_unknown(settings: Settings, installed: list[str]) -> None:
+    """A name in DEVSHIM_DISABLED_PLUGINS that no installed plugin has blocks nothing: say so, with the nearest name.
+    (DEVSHIM_PLUGIN and DEVSHIM_PLUGINS naming an unknown plugin are errors, at selection.)"""
+    for name in settings.disabled:
+        if name not in installed:
+            guess = switches.nearest(name, installed)
+            log.logger().warning(f"DEVSHIM_DISABLED_PLUGINS names {name!r}, which is not an installed plugin"
+                                 f"{f' (did you mean {guess}?)' if guess else ''}; it blocks nothing.")
+
+
 def discover(settings: Settings, extra: Iterable[tuple[str, Any]] = ()) -> PluginRegistry:
     """Load and detect every plugin of the ``devshim`` entry-point group (plus ``extra`` (name, plugin)
     pairs registered in-process, for embedding) according to ``settings``."""
@@ -228,6 +238,7 @@ def discover(settings: Settings, extra: Iterable[tuple[str, Any]] = ()) -> Plugi
                 record.skipped = (f"not loaded: DEVSHIM_PLUGIN={settings.forced} is forced, and only it is loaded "
                                   "and detected")
     _refuse_conflicts(candidates, settings)
+    _warn_unknown(settings, sorted({record.name for record, _ in candidates}))
     if settings.forced_distribution is not None and not any(
             r.name == settings.forced and r.distribution == settings.forced_distribution for r, _ in candidates):
         from devshim_core.errors import SelectionError

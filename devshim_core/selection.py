@@ -27,7 +27,7 @@ class Selection:
         over = "; ".join(f"{r.name} ({r.reason})" for r in self.passed_over)
         names = ",".join(r.name for r in self.passed_over)
         kind = chosen.report.device_type
-        return (f"devshim: running on {chosen.name} ({kind}), passing over {over}. To run on {kind} and silence "
+        return (f"running on {chosen.name} ({kind}), passing over {over}. To run on {kind} and silence "
                 f"this, set DEVSHIM_PLUGIN={chosen.name} or DEVSHIM_REQUIRE_DEVICE={kind} (or never load them: "
                 f"DEVSHIM_DISABLED_PLUGINS={names}); to make it an error, DEVSHIM_REQUIRE_DEVICE=<the device type "
                 "you expected>.")

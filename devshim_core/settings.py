@@ -1,4 +1,5 @@
-"""devshim's environment switches, parsed once and validated with actionable errors."""
+"""devshim's environment switches, parsed once and validated with actionable errors (each declared in
+:mod:`devshim_core.switches`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from devshim_core import log, switches
 from devshim_core.env_values import parse_bool
 from devshim_core.errors import ConfigError
 
@@ -60,7 +62,7 @@ DEFAULT_DETECT_TIMEOUT = 10.0
 def _emulated_vendor(environ: Mapping[str, str]) -> str | None:
     if not environ.get("DEVSHIM_EMULATE", "").strip():
         return None  # the common case: the emulation package is not even imported
-    from devshim_core.emulation import requested_vendor
+    from devshim_core.emulator import requested_vendor
 
     return requested_vendor(environ)
 
@@ -83,6 +85,7 @@ class Settings:
     require_device: str | None = None  # DEVSHIM_REQUIRE_DEVICE: a selection of another device type is an error
     detect_timeout: float = DEFAULT_DETECT_TIMEOUT  # DEVSHIM_DETECT_TIMEOUT: seconds per plugin's detection, 0 = none
     cuda_facade: bool = False  # DEVSHIM_CUDA_FACADE: on a CUDA device, route DeepSpeed through devshim's facade
+    disable: tuple[str, ...] = ()  # DEVSHIM_DISABLE: integrations, patch sets and set:patch entries turned off
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -108,7 +111,11 @@ class Settings:
             require_device=required,
             detect_timeout=parse_seconds(env, "DEVSHIM_DETECT_TIMEOUT", DEFAULT_DETECT_TIMEOUT),
             cuda_facade=parse_bool(env, "DEVSHIM_CUDA_FACADE", False),
+            disable=tuple(dict.fromkeys(item.strip() for item in env.get("DEVSHIM_DISABLE", "").split(",")
+                                        if item.strip())),
         )
+        for warning in switches.check_environment(env):  # after the parsers above, whose messages are specific
+            log.logger().warning(warning)
         if forced is not None and forced in settings.disabled:
             raise ConfigError(f"DEVSHIM_PLUGIN={forced} forces a plugin that DEVSHIM_DISABLED_PLUGINS also blocks; "
                               "remove it from one of the two.")
@@ -116,6 +123,21 @@ class Settings:
             raise ConfigError("DEVSHIM_DISABLE_PLUGIN_AUTOLOAD=1 loads only the plugins named in DEVSHIM_PLUGINS, "
                               "and it is empty: set e.g. DEVSHIM_PLUGINS=cpu_reference (see `devshim plugins`).")
         return settings
+
+    def switched_off(self, integration: str) -> str | None:
+        """Why the integration (``deepspeed``, ``megatron``, ``cuda-redirect``) is off, or ``None``: named in
+        DEVSHIM_DISABLE, or by its boolean alias."""
+        if integration in self.disable:
+            return f"DEVSHIM_DISABLE={integration}"
+        aliases = {"deepspeed": (self.patch_deepspeed, "DEVSHIM_PATCH_DEEPSPEED=0"),
+                   "megatron": (self.patch_megatron, "DEVSHIM_PATCH_MEGATRON=0"),
+                   "cuda-redirect": (self.redirect_cuda, "DEVSHIM_REDIRECT_CUDA=0")}
+        on, alias = aliases.get(integration, (True, ""))
+        return None if on else alias
+
+    def disabled_patches(self) -> dict[str, str]:
+        """DEVSHIM_DISABLE's entries, each with why, for :meth:`devshim_core.patching.PatchRegistry.disable`."""
+        return {name: f"disabled by DEVSHIM_DISABLE={name}" for name in self.disable}
 
     def wants_loaded(self, name: str) -> str | None:
         """Why the plugin ``name`` is not to be loaded, or ``None`` when it is."""

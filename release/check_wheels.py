@@ -6,7 +6,8 @@ that only the development venv happens to have. This script builds each distribu
 (the sdist, then the wheel from that sdist, in isolated build environments), installs the wheels, not editable,
 with the ``deepspeed`` extra into a new venv, and checks there: where the packages are imported from, each
 distribution's metadata, ``devshim info``, the ``DEVSHIM_AUTO`` start-up switch, the 2-rank DeepSpeed demo, the
-conformance kit (``pytest --devshim-plugin=cpu_reference``), and that uninstalling devshim-core removes the switch.
+conformance kit (``pytest --devshim-plugin=cpu_reference``), ``DEVSHIM_EMULATE=ascend devshim info`` (the emulator
+from its wheel, devshim-emulation), and that uninstalling devshim-core removes the switch.
 pip's cache is reused, so a second run is faster.
 
     python release/check_wheels.py [--keep DIR]
@@ -47,14 +48,40 @@ TROVE_CLASSIFIERS = "trove-classifiers==2026.9.21.13"  # PyPI rejects an upload 
 LICENSE_EXPRESSION = "Apache-2.0"
 PTH = "devshim-auto.pth"
 CORE = "devshim-core"
+EMULATION = "devshim-emulation"
 # each distribution's directory and the top-level modules its wheel must install, nothing more
 LAYOUT: dict[str, tuple[str, ...]] = {
-    ".": ("devshim_core", "devshim_torch_backend"),
+    ".": ("devshim_core",),
     "kernels": ("devshim_kernels",),
     "plugins/cpu_reference": ("devshim_cpu_reference",),
     "plugins/ascend": ("devshim_ascend",),
     "plugins/sophgo": ("devshim_sophgo",),
     "plugins/cuda": ("devshim_cuda",),
+    "emulation": ("devshim_emulation",),
+}
+# what the emulator's wheel must carry beside its modules: the C++ source compiled on first use, and the simulated
+# SDKs (packages, distribution metadata that detection reads, the CANN stand-in); none of it in devshim-core's
+EMULATION_FILES = (
+    "devshim_emulation/csrc/emulated_device.cpp",
+    "devshim_emulation/sdk/README.md",
+    "devshim_emulation/sdk/cann/version.info",
+    "devshim_emulation/sdk/torch_npu/__init__.py",
+    "devshim_emulation/sdk/torch_npu/_ops.py",
+    "devshim_emulation/sdk/torch_npu/optim/__init__.py",
+    "devshim_emulation/sdk/torch_npu-2.13.0.dist-info/METADATA",
+    "devshim_emulation/sdk/torch_npu-2.13.0.dist-info/top_level.txt",
+    "devshim_emulation/sdk/torch_tpu/__init__.py",
+    "devshim_emulation/sdk/torch_tpu/_ops.py",
+    "devshim_emulation/sdk/torch_tpu/tpu/__init__.py",
+    "devshim_emulation/sdk/torch_tpu-2.13.0.dist-info/METADATA",
+    "devshim_emulation/sdk/torch_tpu-2.13.0.dist-info/top_level.txt",
+)
+# the entry points each distribution must declare, and those it must not (devshim-core runs nothing on
+# `import torch`: the torch.backends entry point is the emulator's, present only where it is installed)
+ENTRY_POINTS: dict[str, tuple[set[str], set[str]]] = {
+    CORE: ({"console_scripts:devshim", "pytest11:devshim_core.testing"}, {"torch.backends", "devshim.emulation"}),
+    EMULATION: ({"devshim.emulation:emulator", "torch.backends:devshim_emulation",
+                 "pytest11:devshim_emulation.pytest_plugin"}, set()),
 }
 # a wheel without these silently falls back to PyTorch or Python code: a release must carry them
 NATIVE_LIBRARIES: dict[str, tuple[str, ...]] = {
@@ -275,6 +302,11 @@ def check_archives(distributions: list[Distribution], artifacts: dict[str, Artif
             if top_level != expected:
                 problems.append(f"{wheel.name} installs {sorted(top_level)} at the top of site-packages, "
                                 f"expected {sorted(expected)}: check packages.find / py-modules")
+            if dist.name == CORE and (emulation := [n for n in names if n.startswith("devshim_core/emulation/")]):
+                problems.append(f"{wheel.name} carries the emulator ({emulation[0]}, ...): it is devshim-emulation's "
+                                "(emulation/); devshim-core's pyproject must not package it")
+            if dist.name == EMULATION and (missing := [f for f in EMULATION_FILES if f not in names]):
+                problems.append(f"{wheel.name} lacks {missing}: check emulation/pyproject.toml's package-data")
             for prefix in NATIVE_LIBRARIES.get(dist.name, ()):
                 if not any(n.startswith(prefix) and n.endswith((".so", ".pyd", ".dylib")) for n in names):
                     problems.append(f"{wheel.name} has no {prefix}* native library: the build did not compile it "
@@ -436,9 +468,12 @@ def check_metadata(facts: dict[str, Any], distributions: list[Distribution]) -> 
                 problems.append(f"{where}: the deepspeed extra ({deepspeed}) excludes the pinned {deepspeed_version}")
             if 'extra == "megatron"' not in by_extra:
                 problems.append(f"{where}: the megatron extra requires nothing")
-            if "pytest11:devshim_core.testing" not in meta["entry_points"]:
-                problems.append(f"{where}: the conformance kit is not registered under pytest11 "
-                                f"({meta['entry_points']})")
+        wanted, unwanted = ENTRY_POINTS.get(dist.name, (set(), set()))
+        declared = set(meta["entry_points"])
+        if not wanted <= declared:
+            problems.append(f"{where}: entry points {sorted(wanted - declared)} are missing ({sorted(declared)})")
+        if stray := sorted(e for e in declared if e.split(":")[0] in unwanted):
+            problems.append(f"{where}: declares {stray}, which belong to {EMULATION} (emulation/pyproject.toml)")
     if problems:
         raise CheckFailed("\n".join(problems))
     return f"{len(distributions)} distributions"
@@ -490,7 +525,9 @@ def check_demo(venv: Venv, logs: Path, cwd: Path) -> str:
     expect(report["rank_count"] == 2 and [r["rank"] for r in ranks] == [0, 1],
            f"the demo ran {report['rank_count']} ranks, expected 2 (did DEVSHIM_AUTO size the launcher?)")
     through_devshim = all(r["plugin"] == "cpu_reference" and r["accelerator"] == "DevshimAccelerator"
-                          and str(r["deepspeed_integration"]).startswith("armed") for r in ranks)
+                          # armed by the first line, applied when the script imported deepspeed
+                          and str(r["deepspeed_integration"]).startswith("applied when deepspeed is imported")
+                          for r in ranks)
     expect(through_devshim and report["accelerator_module"] == "devshim_core.integrations.deepspeed.accelerator",
            "a rank did not train through devshim: " + json.dumps([{k: r[k] for k in (
                "rank", "plugin", "accelerator", "deepspeed_integration")} for r in ranks]))
@@ -523,12 +560,30 @@ def check_conformance_kit(venv: Venv, logs: Path, cwd: Path) -> str:
     return f"{len(cases) - skipped} passed, {skipped} skipped: {'; '.join(skips)}"
 
 
+def check_emulated_info(venv: Venv, logs: Path, cwd: Path) -> str:
+    """``DEVSHIM_EMULATE=ascend devshim info`` from the wheels: devshim-core finds the emulator through its
+    ``devshim.emulation`` entry point, the simulated torch_npu (package data of devshim-emulation's wheel) comes up
+    on the emulated device, built from the wheel's C++ source (or loaded from this machine's cache, keyed by that
+    source's hash), and the ascend plugin is selected on it."""
+    stdout = run([str(venv.bin("devshim")), "info", "--json"], log=logs / "devshim-info-emulated.log", cwd=cwd,
+                 env=clean_env(DEVSHIM_EMULATE="ascend", DEVSHIM_EMULATE_DEVICES="2"), timeout=DEMO_TIMEOUT,
+                 what_to_do="see the log: a compiler missing for the emulator's first build is named there")
+    info = json.loads(stdout)
+    expect(info["selected"] == "ascend", f"DEVSHIM_EMULATE=ascend devshim info selected {info['selected']!r}: "
+           f"{info['reason']}")
+    expect(str(info.get("emulation", "")).startswith("EMULATED DEVICE -- NOT HARDWARE"),
+           f"no emulation notice in devshim info: {info.get('emulation')!r}")
+    emulator = info["host"]["emulator"]
+    expect(emulator["state"] == "built", f"the emulator is {emulator['state']} after an emulated run: {emulator}")
+    return f"selected ascend on {info['device']['device_count']} emulated npu devices ({emulator['library']})"
+
+
 def check_uninstall(venv: Venv, facts: dict[str, Any], logs: Path, cwd: Path) -> str:
     site_packages = [Path(p) for p in facts["site_packages"]]
     expect(any((p / PTH).is_file() for p in site_packages), f"{PTH} is not in site-packages after install")
     run([str(venv.python), "-m", "pip", "uninstall", "-y", CORE], log=logs / "uninstall.log", cwd=cwd,
         env=clean_env(), timeout=300)
-    left = [str(p / name) for p in site_packages for name in (PTH, "devshim_core", "devshim_torch_backend.py")
+    left = [str(p / name) for p in site_packages for name in (PTH, "devshim_core")
             if (p / name).exists()] + [str(s) for s in (venv.bin("devshim"),) if s.exists()]
     expect(not left, f"pip uninstall {CORE} left {left} behind (a file the wheel's RECORD does not list)")
     return f"{PTH} installed and removed with {CORE}"
@@ -576,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         checks.run("DEVSHIM_AUTO start-up switch", lambda: check_startup_switch(venv, logs, scratch))
         checks.run("2-rank DeepSpeed demo", lambda: check_demo(venv, logs, scratch))
         checks.run("conformance kit from the wheel", lambda: check_conformance_kit(venv, logs, scratch))
+        checks.run("DEVSHIM_EMULATE=ascend devshim info", lambda: check_emulated_info(venv, logs, scratch))
         checks.run(f"pip uninstall {CORE} removes {PTH}", lambda: check_uninstall(venv, facts, logs, scratch))
     except Aborted as aborted:
         print(f"   (stopped: the checks after '{aborted}' depend on it)")

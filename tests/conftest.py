@@ -10,8 +10,8 @@ import tempfile
 
 import pytest
 
-# --devshim-emulate / DEVSHIM_EMULATE, the devshim_emulated marker and the emulated_device fixture
-pytest_plugins = ["devshim_core.emulation.pytest_plugin"]
+# --devshim-emulate / DEVSHIM_EMULATE, the devshim_emulated marker and the emulated_device fixture: devshim-emulation's
+# pytest plugin, registered by its pytest11 entry point (loaded before any conftest, so the device is up first)
 
 # A JIT build would land here; the session fixture below fails the run if anything did. Fresh for each session:
 # an op left prebuilt in a shared directory would load without compiling, and the guard would not see it.

@@ -3,7 +3,7 @@ extensions, ...) fail to import with devshim's reason, but a probe (``importlib.
 checks what is installed) answers None, as it does for any module that is not there, so that transformers works.
 
 Each case runs in a fresh interpreter (``import devshim_core.auto`` is process-wide) with megatron-core installed,
-so devshim's ``megatron:extension-modules`` set is applied. Decided for a blocked module that IS installed: a probe
+so devshim's ``megatron-extension-modules`` set is applied. Decided for a blocked module that IS installed: a probe
 finds it on disk (the later finders answer for it), and importing it still raises with the reason, without
 running any of its code; with distribution metadata, as pip installs it, transformers then runs on its own
 attention and names the reason only when asked for flash-attention.
@@ -26,7 +26,7 @@ from devshim_core.integrations.megatron.extension_modules import BLOCKED
 pytest.importorskip("megatron.core", reason="the blocked modules are the Megatron integration's: megatron extra")
 pytest.importorskip("transformers", reason="transformers is in requirements-dev.txt")
 
-EXTENSION_SET = "megatron:extension-modules"
+EXTENSION_SET = "megatron-extension-modules"
 
 
 def run(code: str, platform: Platform = CPU, path: Path | None = None) -> dict:

@@ -133,7 +133,8 @@ def test_info_says_where_the_kernels_come_from_and_which_adam_implementation_run
     import devshim_kernels.file_io
 
     sources = info["device"]["kernel_sources"]
-    assert sources == {"optimizer": f"devshim_kernels, {devshim_kernels.implementation()}",
+    assert sources == {"optimizer": f"fused_adamw: devshim_kernels; host Adam: devshim_kernels, "
+                                    f"{devshim_kernels.implementation()}",
                        "attention": "devshim_kernels"}
     assert info["device"]["offload_io"] == {"file_io": True, "source": devshim_kernels.file_io.describe()}
 
@@ -181,7 +182,7 @@ def test_info_json_names_the_compilers_and_ninja_the_native_builds_use(info):
 
 
 def test_info_json_says_where_the_emulator_is_built_and_whether_it_is(info):
-    from devshim_core.emulation import build
+    from devshim_emulation import build
 
     emulator = info["host"]["emulator"]
     assert emulator["cache_root"] == str(build.cache_root())
@@ -243,7 +244,8 @@ def test_version_prints_devshim_core_then_each_installed_devshim_distribution_an
     result = cli["--version"]
     assert result.returncode == 0, result.stderr
     plugins = [f"devshim-{name.replace('_', '-')} 0.1.0 (plugin {name})" for name in INSTALLED_PLUGINS]
-    assert result.stdout.splitlines() == ["devshim-core 0.1.0", *sorted([*plugins, "devshim-kernels 0.1.0"])]
+    others = ["devshim-kernels 0.1.0", "devshim-emulation 0.1.0"]
+    assert result.stdout.splitlines() == ["devshim-core 0.1.0", *sorted([*plugins, *others])]
 
 
 def test_version_reads_metadata_only_without_importing_torch(cli):

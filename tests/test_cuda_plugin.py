@@ -306,15 +306,14 @@ def test_the_allocator_spec_is_torch_cudas_own_memory_functions():
     assert spec.validate_config is allocator.validate_config
 
 
-def test_offload_io_and_host_adam_are_devshim_kernels_host_implementations():
+def test_offload_io_and_host_adam_are_devshims_host_defaults():
     import devshim_kernels
-    from devshim_kernels import file_io
 
     report = devshim_cuda.devshim_detect()
     optimizer = devshim_cuda.devshim_optimizer_kernels(report)
     assert optimizer.host_adam_step is devshim_kernels.host_adam_step
     assert optimizer.host_adam_rollback is devshim_kernels.host_adam_rollback
-    assert devshim_cuda.devshim_offload_io(report).file_io is (file_io.AsyncFileIO if file_io.AVAILABLE else None)
+    assert not hasattr(devshim_cuda, "devshim_offload_io")  # the facade's default: devshim_core.host_defaults
 
 
 def test_the_kernels_are_its_own_not_devshim_kernels():
@@ -332,7 +331,7 @@ def test_detection_and_every_hook_initialise_nothing_where_nvml_answers(fake_cud
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
     report = devshim_cuda.devshim_detect()
     for hook in ("devshim_device_module", "devshim_device_traits", "devshim_collectives", "devshim_allocator",
-                 "devshim_optimizer_kernels", "devshim_offload_io", "devshim_attention_kernels",
+                 "devshim_optimizer_kernels", "devshim_attention_kernels",
                  "devshim_runtime_versions"):
         assert getattr(devshim_cuda, hook)(report) is not None, hook
     assert fake_cuda.initialising_calls == [] and fake_cuda.runtime_counts == 0

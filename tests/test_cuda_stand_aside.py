@@ -74,7 +74,7 @@ def test_devshim_cuda_facade_routes_deepspeed_through_devshim_and_nothing_else(s
     assert report["integrations"]["megatron"] == ("skipped: the device is CUDA, where Megatron runs its own CUDA "
                                                   "paths")
     assert "applied" in report["integrations"]["deepspeed"]
-    assert "cuda-redirect" not in report["patch sets"] and "megatron:extension-modules" not in report["patch sets"]
+    assert "cuda-redirect" not in report["patch sets"] and "megatron-extension-modules" not in report["patch sets"]
     assert report["found"] == [True, True, True] and report["torch.cuda.is_available untouched"] is True
 
 

@@ -1,4 +1,4 @@
-"""Spec: every devshim distribution declares the metadata a release needs, and the six agree with each other
+"""Spec: every devshim distribution declares the metadata a release needs, and the seven agree with each other
 and with the version ranges devshim's code enforces at run time.
 
 Read from the pyproject.toml files, so it is cheap; ``release/check_wheels.py`` checks the same on built and
@@ -20,8 +20,8 @@ from devshim_core.integrations.deepspeed.patches import DEEPSPEED
 from devshim_core.integrations.megatron.flavor import MEGATRON_CORE
 from devshim_core.integrations.torch_distributed import TORCH
 
-DIRECTORIES = (".", "kernels", "plugins/cpu_reference", "plugins/ascend", "plugins/sophgo", "plugins/cuda")
-PLUGINS = DIRECTORIES[2:]
+PLUGINS = ("plugins/cpu_reference", "plugins/ascend", "plugins/sophgo", "plugins/cuda")
+DIRECTORIES = (".", "kernels", *PLUGINS, "emulation")
 PYTHON_CLASSIFIER = re.compile(r"Programming Language :: Python :: (3\.\d+)$")
 
 
@@ -104,3 +104,20 @@ def test_the_core_sdist_carries_the_build_backend_its_pyproject_names():
     needed = {f"{backend_path}/devshim_build.py", f"{backend_path}/devshim-auto.pth"}
     assert all((PROJECT_DIR / name).is_file() for name in needed)
     assert needed <= included
+
+
+def test_only_the_emulation_registers_a_torch_backend_and_the_core_never_packages_it():
+    """``import torch`` runs devshim's code only where devshim-emulation is installed: the core declares no
+    ``torch.backends`` entry point, installs no top-level module beside ``devshim_core`` and packages nothing of the
+    emulator; the emulation registers the entry points the core and pytest look for."""
+    core = pyproject(".")
+    assert "torch.backends" not in core["project"].get("entry-points", {})
+    assert "py-modules" not in core["tool"].get("setuptools", {})
+    assert not [data for data in core["tool"]["setuptools"]["package-data"]["devshim_core"] if "emulation" in data]
+    assert not (PROJECT_DIR / "devshim_core" / "emulation").exists()
+    emulation = pyproject("emulation")
+    entry_points = emulation["project"]["entry-points"]
+    assert entry_points["devshim.emulation"] == {"emulator": "devshim_emulation.hooks"}
+    assert entry_points["torch.backends"] == {"devshim_emulation": "devshim_emulation.torch_backend:autoload"}
+    assert entry_points["pytest11"] == {"devshim_emulation.pytest_plugin": "devshim_emulation.pytest_plugin"}
+    assert "devshim-core" in {Requirement(r).name for r in emulation["project"]["dependencies"]}

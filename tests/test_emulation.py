@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+from devshim_emulation import build
 from plugin_fixtures import DEVSHIM_SCRIPT, PYTHON, Background, clean_env, run
 
-from devshim_core.emulation import build
 from devshim_core.errors import ConfigError
 from devshim_core.settings import Settings
 
@@ -32,7 +32,7 @@ import torch
 acc = get_accelerator()
 print(json.dumps({
     "plugin": devshim_core.auto.device.plugin,
-    "emulation modules": sorted(m for m in sys.modules if m.startswith("devshim_core.emulation")),
+    "emulation modules": sorted(m for m in sys.modules if m.startswith("devshim_emulation")),
     "vendor sdks": sorted(m for m in ("torch_npu", "torch_tpu") if m in sys.modules),
     "privateuse1": torch._C._get_privateuse1_backend_name(),
     "pinned": acc.pin_memory(torch.empty(10)).is_pinned(),
@@ -42,7 +42,7 @@ print(json.dumps({
 LOAD_EXTENSION = """\
 import json, sys, time
 import torch.utils.cpp_extension
-from devshim_core.emulation import build
+from devshim_emulation import build
 
 if sys.argv[1] == "no-compiling":
     def refuse(*args, **kwargs):
@@ -104,7 +104,9 @@ def test_without_devshim_emulate_activation_neither_imports_the_emulation_nor_bu
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["plugin"] == "cpu_reference"
-    assert report["emulation modules"] == []
+    # only what `import torch` loads for devshim-emulation's torch.backends entry point: its lazy package and the
+    # module that reads DEVSHIM_EMULATE and returns
+    assert set(report["emulation modules"]) <= {"devshim_emulation", "devshim_emulation.torch_backend"}
     assert report["vendor sdks"] == []
     assert report["privateuse1"] == "privateuseone"  # PyTorch's PrivateUse1 device was left alone
     assert list(dirs["unused-cache"].iterdir()) == []
@@ -153,7 +155,7 @@ def test_devshim_info_without_a_compiler_exits_2_naming_the_missing_compiler_and
 def test_import_devshim_auto_without_a_compiler_fails_with_the_build_error(started, dirs):
     result = started["no compiler, import auto"]
     assert result.returncode == 1, f"activation succeeded without the emulated device:\n{result.stderr[-2000:]}"
-    assert f"devshim_core.emulation.build.EmulationBuildError: {COMPILER_MISSING}" in result.stderr
+    assert f"devshim_emulation.build.EmulationBuildError: {COMPILER_MISSING}" in result.stderr
     assert list(dirs["compilerless-cache-2"].rglob("*.so")) == []
 
 
@@ -272,3 +274,47 @@ def test_the_emulated_device_counts_the_visible_devices_until_the_process_first_
                                                        ASCEND_RT_VISIBLE_DEVICES="1", DEVSHIM_CACHE_DIR=CACHE))
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.splitlines()[-1]) == [1, 2, 2]
+
+
+# -- the emulator is a distribution of its own -----------------------------------------------------------------------
+
+@pytest.fixture
+def no_emulator_installed(monkeypatch):
+    """As where devshim-core is installed without devshim-emulation: no devshim.emulation entry point."""
+    from devshim_core import emulator
+
+    monkeypatch.setattr(emulator, "_loaded", [])
+    monkeypatch.setattr(emulator, "_entry_point", lambda: None)
+    return emulator
+
+
+def test_without_the_emulator_devshim_emulate_is_a_config_error_saying_what_to_install(no_emulator_installed):
+    with pytest.raises(ConfigError) as raised:
+        Settings.from_env({"DEVSHIM_EMULATE": "ascend"})
+    assert str(raised.value) == "DEVSHIM_EMULATE=ascend needs devshim's emulator: pip install ./emulation " \
+                                "(devshim-emulation)"
+    assert Settings.from_env({"DEVSHIM_EMULATE": "0"}).emulate is None  # off needs no emulator
+    assert Settings.from_env({}).emulate is None
+    assert no_emulator_installed.cache_state()["state"] == "not installed"
+
+
+def test_the_core_finds_the_emulator_through_its_entry_point_only():
+    """devshim-core names no module of devshim-emulation: it loads what the devshim.emulation entry point names."""
+    import ast
+
+    from plugin_fixtures import PROJECT_DIR
+
+    from devshim_core import emulator
+
+    named = sorted(f"{path.relative_to(PROJECT_DIR)}: {alias}"
+                   for path in (PROJECT_DIR / "devshim_core").rglob("*.py")
+                   for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, (ast.Import, ast.ImportFrom))
+                   for alias in ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                                 [a.name for a in node.names])
+                   if alias.split(".")[0] == "devshim_emulation")
+    assert named == []
+    assert emulator.emulator().__name__ == "devshim_emulation.hooks"
+    state = emulator.cache_state()
+    assert state["cache_root"] == CACHE and state["directory"] == str(build.build_directory())
+    assert state["state"] in ("built", "building", "missing")

@@ -12,9 +12,8 @@ import threading
 import time
 
 import pytest
+from devshim_emulation import build
 from plugin_fixtures import DEVSHIM_SCRIPT, clean_env, run
-
-from devshim_core.emulation import build
 
 
 @pytest.fixture

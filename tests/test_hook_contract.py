@@ -189,8 +189,8 @@ def test_a_plugins_patches_are_applied_as_one_set_and_reported_with_their_versio
     with activated_on(DeclaresPatches([patch], priority=1)) as active:
         assert active.device.patches == (patch,)
         assert target_module.f == "narrowed"
-        assert f"plugin:{PLUGIN}" in active.integrations
-        [row] = [row for row in REGISTRY.report() if row["set"] == f"plugin:{PLUGIN}"]
+        assert f"plugin-{PLUGIN}" in active.integrations
+        [row] = [row for row in REGISTRY.report() if row["set"] == f"plugin-{PLUGIN}"]
         assert (row["name"], row["requires"], row["versions"]) == ("narrow-f", {"pytest": f">={PYTEST}"},
                                                                    {"pytest": PYTEST})
     assert target_module.f == "original"  # deactivation reverted it
@@ -208,18 +208,18 @@ def test_a_plugin_patch_whose_range_is_not_met_stops_activation_and_leaves_nothi
     plugin = DeclaresPatches([other, narrowing(target_module, *requires)], priority=1)
     with pytest.raises(PatchError) as excinfo, activated_on(plugin):
         pass
-    assert str(excinfo.value) == (f"cannot apply devshim's 'plugin:{PLUGIN}' patches: patch 'narrow-f' "
+    assert str(excinfo.value) == (f"cannot apply devshim's 'plugin-{PLUGIN}' patches: patch 'narrow-f' "
                                   f"({target_module.__name__}:f) {unmet}.")
     assert target_module.f == "original" and not hasattr(target_module, "g")
-    assert not REGISTRY.is_applied(f"plugin:{PLUGIN}")
+    assert not REGISTRY.is_applied(f"plugin-{PLUGIN}")
 
 
 @pytest.mark.parametrize("answer", [None, []], ids=["None", "empty-list"])
 def test_a_plugin_without_patches_gets_no_plugin_patch_set(answer):
     with activated_on(DeclaresPatches(answer, priority=1)) as active:
         assert active.device.patches == ()
-        assert f"plugin:{PLUGIN}" not in active.integrations
-        assert not REGISTRY.is_applied(f"plugin:{PLUGIN}")
+        assert f"plugin-{PLUGIN}" not in active.integrations
+        assert not REGISTRY.is_applied(f"plugin-{PLUGIN}")
 
 
 def test_a_plugin_patches_answer_with_an_item_that_is_not_a_patch_is_a_plugin_error(target_module):

@@ -174,6 +174,6 @@ def test_a_megatron_deepspeed_style_fork_gets_no_megatron_core_patches_and_compr
     assert probe["core"].startswith(str(tmp_path))  # the fork's megatron.core, not the installed one
     assert probe["megatron"].startswith("Megatron-DeepSpeed recognised: its megatron.core fork gets no megatron-core "
                                         "patches"), probe
-    assert probe["sets"] == ["megatron:extension-modules"], probe  # only the CUDA-only imports are answered
+    assert probe["sets"] == ["megatron-extension-modules"], probe  # only the CUDA-only imports are answered
     assert probe["called"].startswith('ConfigError: compression training ("compression_training" in the DeepSpeed '
                                       'config) was removed in DeepSpeed 0.19'), probe

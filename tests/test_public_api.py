@@ -92,7 +92,7 @@ def test_it_reports_what_devshim_info_json_reports():
         print(json.dumps(devshim_core.active_session().as_dict(), default=str))
     """)
     cli = run_json([DEVSHIM_SCRIPT, "info", "--json"], ENV)
-    assert set(api) == {"selected", "reason", "device", "plugins", "integrations", "patches"}
+    assert set(api) == {"selected", "reason", "device", "plugins", "integrations", "patches", "disabled"}
     for key in api:
         assert api[key] == cli[key], f"{key}: api {api[key]!r} != cli {cli[key]!r}"
     assert len(api["patches"]) > 10  # a real activation, not an empty report

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 from devshim_ascend import versions as ascend
+from devshim_emulation import SDK_PATH
 from devshim_sophgo import versions as sophgo
 from plugin_fixtures import FakePlugin, write_distribution
 
 from devshim_core import DeviceReport, hookimpl, host_report
-from devshim_core.emulation import SDK_PATH
 from devshim_core.plugins import PluginRecord, PluginRegistry
 
 # what Ascend's install guides show `cat .../ascend_toolkit_install.info` print
@@ -263,7 +263,7 @@ def test_a_compiler_is_found_on_path_with_the_first_line_of_its_version(tmp_path
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    from devshim_core.emulation import build
+    from devshim_emulation import build
 
     monkeypatch.setenv("DEVSHIM_CACHE_DIR", str(tmp_path / "cache"))
     return build

@@ -2,9 +2,9 @@
 
 A checkpoint is data a user may have downloaded; ``weights_only=False`` (the default before torch 2.6) runs any
 code a crafted file carries. The scan reads every Python source the project ships or runs (the core, the kernels,
-the plugins, the examples, the benchmarks, the stress loop, the release and build helpers) with ``ast``, so a
-call written any way (``torch.load``, ``load`` imported from torch, through an alias) is seen. The tests are left
-out: they read back checkpoints their own jobs wrote.
+the plugins, the emulation, the examples, the benchmarks, the stress loop, the release and build helpers) with
+``ast``, so a call written any way (``torch.load``, ``load`` imported from torch, through an alias) is seen. The
+tests are left out: they read back checkpoints their own jobs wrote.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import ast
 
 from plugin_fixtures import PROJECT_DIR
 
-SOURCES = [PROJECT_DIR / name for name in ("devshim_core", "kernels", "plugins", "examples", "bench", "stress",
-                                           "release", "build_support", "docs_support")]
-TOP_LEVEL = sorted(PROJECT_DIR.glob("*.py"))  # devshim_torch_backend.py and any other module at the root
+SOURCES = [PROJECT_DIR / name for name in ("devshim_core", "kernels", "plugins", "emulation", "examples", "bench",
+                                           "stress", "release", "build_support", "docs_support")]
+TOP_LEVEL = sorted(PROJECT_DIR.glob("*.py"))  # setup.py and any other module at the root
 
 
 def torch_loads(tree: ast.AST) -> list[ast.Call]:

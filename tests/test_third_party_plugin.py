@@ -15,13 +15,12 @@ offline). pip installs into the throwaway venv (its ``sys.prefix``); the pytest 
 from __future__ import annotations
 
 import importlib.metadata as metadata
-import sysconfig
 import textwrap
 from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
-from plugin_fixtures import INSTALLED_PLUGINS, PYTHON, Background, checked_json, clean_env, run
+from plugin_fixtures import INSTALLED_PLUGINS, Background, checked_json, clean_env, layered_venv_with_wheel
 
 PYPROJECT = """\
 [build-system]
@@ -118,23 +117,7 @@ def acme(tmp_path_factory):
     (source / "pyproject.toml").write_text(PYPROJECT)
     (source / "devshim_acme" / "__init__.py").write_text(PLUGIN)
 
-    venv = root / "venv"
-    result = run([PYTHON, "-m", "venv", "--without-pip", venv], clean_env())
-    assert result.returncode == 0, result.stderr
-    python = venv / "bin" / "python"
-    site = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                    clean_env()).stdout.strip())
-    project_site = sysconfig.get_paths()["purelib"]  # .venv's, as this process runs in it
-    (site / "_layer_on_project_venv.pth").write_text(f"import site; site.addsitedir({project_site!r})\n")
-
-    wheels = root / "wheels"  # installed as a vendor ships it: a built wheel, not the source tree
-    pip = [python, "-m", "pip", "--disable-pip-version-check", "--quiet"]
-    result = run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", wheels, source],
-                 clean_env(), timeout=180)
-    assert result.returncode == 0, f"pip wheel failed:\n{result.stdout}\n{result.stderr}"
-    [wheel] = wheels.glob("devshim_acme-2.5.0-*.whl")
-    result = run([*pip, "install", "--no-deps", "--no-index", wheel], clean_env(), timeout=180)
-    assert result.returncode == 0, f"pip install failed:\n{result.stdout}\n{result.stderr}"
+    python, site = layered_venv_with_wheel(root, source, "devshim_acme-2.5.0-*.whl")
     env = Env(python, site)
     yield env
     env.commands.close()
@@ -179,8 +162,8 @@ def test_devshim_info_shows_it_selected_with_deepspeed_patched_for_its_device(ac
     assert report["device"]["name"] == "ACME-1"
     assert report["device"]["supported_dtypes"] == ["float32"]
     assert {(p["set"], p["name"]) for p in report["patches"]} >= {("deepspeed", "accelerator"),
-                                                                  ("plugin:acme", "acme-narrow-int64")}
-    [vendor_patch] = [p for p in report["patches"] if p["set"] == "plugin:acme"]
+                                                                  ("plugin-acme", "acme-narrow-int64")}
+    [vendor_patch] = [p for p in report["patches"] if p["set"] == "plugin-acme"]
     assert vendor_patch["target"] == "devshim_acme:INT64_ON_DEVICE"
     assert vendor_patch["reason"] == "ACME cards have no int64 arithmetic"
 

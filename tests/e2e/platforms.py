@@ -58,7 +58,7 @@ def build_emulator() -> None:
     here would register a PrivateUse1 backend in the test process itself."""
     if _built:
         return
-    result = subprocess.run([sys.executable, "-c", "from devshim_core.emulation import build; build.load_extension()"],
+    result = subprocess.run([sys.executable, "-c", "from devshim_emulation import build; build.load_extension()"],
                             capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         pytest.fail(f"the emulated device did not build:\n{result.stdout}\n{result.stderr}")

@@ -62,7 +62,7 @@ def assert_sharded_with_the_unsharded_logits(platform: Platform, report: dict[st
 def test_the_job_ran_with_the_megatron_extension_modules_blocked_and_probed_as_not_installed(job):
     _, report = job
     for results in report["ranks"]:
-        assert "megatron:extension-modules" in results["patch_sets"]
+        assert "megatron-extension-modules" in results["patch_sets"]
         assert results["flash_attn_probe"] == "None"
 
 

@@ -170,7 +170,7 @@ def test_zero2_optimizer_offload_steps_adam_with_devshim_host_kernel(tmp_path: P
     assert_matches_cpu(platform, args, report["losses"], tmp_path, job)
     for rank in report["ranks"]:
         assert rank["deepspeed_imported_before_devshim"] is False, rank
-        assert rank["deepspeed_integration"].startswith("armed"), rank
+        assert rank["deepspeed_integration"].startswith("applied when deepspeed is imported"), rank  # armed, fired
         assert rank["blocks"] == 2 and rank["forwards_per_block_per_micro_batch"] == 2.0, rank
     assert report["zero_stage"] == 2
     assert report["optimizer"] == "DeepSpeedZeroOptimizer"

@@ -13,8 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from devshim_core.emulation.device_module import FAULTY_DEVICES_ENV
+from devshim_emulation.device_module import FAULTY_DEVICES_ENV
 
 from .launch import run_job
 from .platforms import ASCEND, build_emulator

@@ -3,14 +3,14 @@
 A process can emulate one PrivateUse1 device, and renaming it changes ``torch.accelerator`` for the whole
 process, so these tests never run in the main suite's process: without emulation they are not collected,
 and ``make test`` runs this folder once per vendor in a process of its own. The device is brought up by
-devshim's pytest plugin (``devshim_core.emulation.pytest_plugin``, loaded by the root conftest).
+devshim-emulation's pytest plugin (``devshim_emulation.pytest_plugin``, registered under pytest's ``pytest11``
+entry point, so it is loaded, and the device up, before this conftest is imported).
 """
 
 from __future__ import annotations
 
+import devshim_emulation as emulation
 import pytest
-
-from devshim_core import emulation
 
 VENDOR = emulation.requested_vendor()
 if VENDOR is None:

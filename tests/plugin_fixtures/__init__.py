@@ -155,6 +155,31 @@ def run_json(args: list[str | Path], env: Mapping[str, str], *, expect_rc: int =
     return checked_json(run(args, env, **kwargs), expect_rc)
 
 
+def layered_venv_with_wheel(root: Path, source: Path, wheel_glob: str) -> tuple[Path, Path]:
+    """A throwaway venv in ``root`` layered on the project's (see tests/test_third_party_plugin.py for why a ``.pth``
+    and not ``--system-site-packages``), with the distribution at ``source`` built as a wheel and installed from it,
+    as a third party ships it. Returns the venv's python and its site-packages."""
+    import sysconfig
+
+    venv = root / "venv"
+    result = run([PYTHON, "-m", "venv", "--without-pip", venv], clean_env())
+    assert result.returncode == 0, result.stderr
+    python = venv / "bin" / "python"
+    site = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                    clean_env()).stdout.strip())
+    project_site = sysconfig.get_paths()["purelib"]  # .venv's, as this process runs in it
+    (site / "_layer_on_project_venv.pth").write_text(f"import site; site.addsitedir({project_site!r})\n")
+    wheels = root / "wheels"
+    pip = [python, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    result = run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", wheels, source],
+                 clean_env(), timeout=180)
+    assert result.returncode == 0, f"pip wheel failed:\n{result.stdout}\n{result.stderr}"
+    [wheel] = wheels.glob(wheel_glob)
+    result = run([*pip, "install", "--no-deps", "--no-index", wheel], clean_env(), timeout=180)
+    assert result.returncode == 0, f"pip install failed:\n{result.stdout}\n{result.stderr}"
+    return python, site
+
+
 class Background:
     """Commands started together, at most one per core, each collected when a spec asks for it (every one
     pays for ``import torch``: overlapping them halves the wait on a two-core machine)."""

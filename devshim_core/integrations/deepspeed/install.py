@@ -7,6 +7,7 @@ import os
 from devshim_core import import_hooks
 from devshim_core.device import Device
 from devshim_core.errors import PatchError
+from devshim_core.integrations.base import Status
 from devshim_core.integrations.deepspeed.patches import (
     ACCELERATOR_MODULE,
     COMPRESSED_BACKEND_MODULE,
@@ -36,8 +37,12 @@ def _overridden_selection() -> str:
     return f"; DS_ACCELERATOR={chosen} is ignored (devshim's accelerator is used)" if chosen else ""
 
 
-def install(device: Device) -> str:
-    """Apply (or arm) the DeepSpeed patches; return a one-line status for reports."""
+def install(device: Device, status: Status) -> None:
+    """Apply (or arm) the DeepSpeed patches, reporting through ``status``."""
+    status.set(_install(device, status))
+
+
+def _install(device: Device, status: Status) -> str:
     problem = DEEPSPEED.problem()
     if problem is not None:
         raise PatchError(f"devshim's DeepSpeed integration cannot run: {problem}. Install a supported DeepSpeed "
@@ -51,7 +56,12 @@ def install(device: Device) -> str:
     if import_hooks.is_imported(ACCELERATOR_MODULE):
         REGISTRY.apply(DEEPSPEED_PATCHES, device)
         return "applied (deepspeed was imported first: import-time references were rebound)" + note
-    import_hooks.after_import(ACCELERATOR_MODULE, lambda module: REGISTRY.apply(DEEPSPEED_PATCHES, device))
+
+    def apply_and_report(module: object) -> None:
+        REGISTRY.apply(DEEPSPEED_PATCHES, device)
+        status.fired()
+
+    import_hooks.after_import(ACCELERATOR_MODULE, apply_and_report)
     return "armed: applied when deepspeed is imported, before its op builders are bound" + note
 
 

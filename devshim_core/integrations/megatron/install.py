@@ -9,6 +9,7 @@ import sys
 from devshim_core import import_hooks
 from devshim_core.device import Device
 from devshim_core.errors import PatchError
+from devshim_core.integrations.base import Status
 from devshim_core.integrations.megatron import flavor
 from devshim_core.integrations.megatron.patches import EXTENSION_MODULES, core_patch_set
 from devshim_core.patching import REGISTRY
@@ -32,46 +33,40 @@ def _megatron_present() -> bool:
     return any(os.path.isdir(os.path.join(p, "core")) for p in spec.submodule_search_locations)
 
 
-def _record(status: str) -> None:
-    from devshim_core.session import current
-
-    session = current()
-    if session is not None:
-        session.integrations["megatron"] = status
-
-
-def _on_core_imported(device: Device) -> None:
+def _on_core_imported(device: Device, status: Status) -> None:
     if flavor.is_megatron_deepspeed():
         # the fork is accelerator-aware (get_accelerator()): DeepSpeed's integration and the CUDA redirect serve
         # it, with the extension modules provided; megatron-core 0.16's patches would break it
-        _record("Megatron-DeepSpeed recognised: its megatron.core fork gets no megatron-core patches; the DeepSpeed "
-                "integration and the CUDA redirect serve it")
+        status.set("Megatron-DeepSpeed recognised: its megatron.core fork gets no megatron-core patches; the "
+                   "DeepSpeed integration and the CUDA redirect serve it")
         return
-    REGISTRY.apply(core_patch_set(device), device)
-    _record("applied")
+    applied = REGISTRY.apply(core_patch_set(device), device)
+    status.set("applied" if applied.disabled is None else f"skipped: {applied.disabled}")
 
 
-def _on_jit_imported(device: Device) -> None:
+def _on_jit_imported(device: Device, status: Status) -> None:
     from devshim_core.integrations.megatron.jit import compiles_for, jit_patch_set
 
     if not flavor.is_megatron_deepspeed() and not compiles_for(device.type):
         REGISTRY.apply(jit_patch_set(device), device)
 
 
-def _on_training_imported(device: Device) -> None:
+def _on_training_imported(device: Device, status: Status) -> None:
     if flavor.is_megatron_core():
         from devshim_core.integrations.megatron.training import training_patch_set
 
         REGISTRY.apply(training_patch_set(device), device)
 
 
-def install(device: Device, redirect_on: bool) -> str:
-    """Provide the extension modules, then apply (or arm) the set matching the Megatron that is imported."""
+def install(device: Device, status: Status) -> None:
+    """Provide the extension modules, then apply (or arm) the set matching the Megatron that is imported, reporting
+    through ``status``."""
+    status.set(_install(device, status))
+
+
+def _install(device: Device, status: Status) -> str:
     if not _megatron_present():
         return "skipped: megatron is not importable"
-    if not redirect_on:
-        return ("skipped: Megatron needs the CUDA redirect (it calls torch.cuda throughout), and "
-                "DEVSHIM_REDIRECT_CUDA=0 turned it off")
     REGISTRY.apply(EXTENSION_MODULES, device)
     imported_first = import_hooks.is_imported(CORE)
     problem = flavor.MEGATRON_CORE.problem() if imported_first and flavor.is_megatron_core() else None
@@ -80,7 +75,7 @@ def install(device: Device, redirect_on: bool) -> str:
                          f"{flavor.MEGATRON_CORE.spec}, or set DEVSHIM_PATCH_MEGATRON=0 to run without it.")
     hooks = ((JIT, _on_jit_imported), (CORE, _on_core_imported), (TRAINING, _on_training_imported))
     for name, callback in hooks:
-        import_hooks.after_import(name, lambda module, callback=callback: callback(device))
+        import_hooks.after_import(name, lambda module, callback=callback: callback(device, status))
     if imported_first:
         if flavor.is_megatron_deepspeed():
             return "Megatron-DeepSpeed recognised: no megatron-core patches"
@@ -91,5 +86,5 @@ def install(device: Device, redirect_on: bool) -> str:
 def uninstall() -> None:
     for name in (JIT, CORE, TRAINING):
         import_hooks.cancel(name)
-    for name in ("megatron.training", "megatron-core", "megatron-core:jit", EXTENSION_MODULES.name):
+    for name in ("megatron-training", "megatron-core", "megatron-core-jit", EXTENSION_MODULES.name):
         REGISTRY.revert(name)

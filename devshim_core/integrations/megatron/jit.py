@@ -44,7 +44,7 @@ def _compiled_functions(device: Device) -> list[tuple[Any, Any]]:
 
 def jit_patch_set(device: Device) -> PatchSet:
     return PatchSet(
-        name="megatron-core:jit", requires=(MEGATRON_CORE,),
+        name="megatron-core-jit", requires=(MEGATRON_CORE,),
         reason=f"torch.compile cannot generate code for {device.type}: Megatron's fusions run eagerly",
         patches=(
             SetAttribute(name="eager-jit-fuser", target=f"{JIT}:jit_fuser", make=_eager_fuser,

@@ -1,6 +1,6 @@
 """Every change devshim makes to Megatron, declared in one place: target, version range, reason.
 
-Three sets: ``megatron:extension-modules`` before Megatron is imported; ``megatron-core`` (megatron-core 0.16,
+Three sets: ``megatron-extension-modules`` before Megatron is imported; ``megatron-core`` (megatron-core 0.16,
 installed or Megatron-LM's checkout of it) when ``megatron.core`` has executed; ``megatron.training`` (see
 ``training``) when Megatron-LM's training stack is imported. Megatron-DeepSpeed's fork gets none of the
 megatron-core patches: ``flavor`` tells them apart.
@@ -30,7 +30,7 @@ LAYERS = "megatron.core.tensor_parallel.layers"
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 
 EXTENSION_MODULES = PatchSet(
-    name="megatron:extension-modules",
+    name="megatron-extension-modules",
     requires=(),
     reason="Megatron imports CUDA extensions at import time; they must be provided or blocked before it does",
     patches=(ProvideModules(

@@ -99,5 +99,5 @@ def training_patches() -> list[Patch]:
 
 
 def training_patch_set(device: Device) -> PatchSet:
-    return PatchSet(name="megatron.training", requires=(MEGATRON_CORE,), patches=tuple(training_patches()),
+    return PatchSet(name="megatron-training", requires=(MEGATRON_CORE,), patches=tuple(training_patches()),
                     reason=f"run Megatron-LM's training stack (pretrain_gpt.py) on {device.type}")

@@ -133,6 +133,6 @@ def test_the_plugins_patches_were_applied_whole_as_one_set(devshim_device: Any) 
     assert all(isinstance(patch, Patch) for patch in patches)
     if not patches:
         pytest.skip(f"plugin {devshim_device.plugin!r} declares no patches")
-    name = f"plugin:{devshim_device.plugin}"
+    name = f"plugin-{devshim_device.plugin}"
     applied = {row["name"] for row in REGISTRY.report() if row["set"] == name}
     assert applied == {patch.name for patch in patches}

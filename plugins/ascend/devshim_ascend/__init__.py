@@ -23,7 +23,6 @@ from devshim_core import (
     CollectivesSpec,
     DeviceReport,
     DeviceTraits,
-    OffloadIO,
     OptimizerKernels,
     hookimpl,
 )
@@ -80,13 +79,6 @@ def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels:
     from devshim_ascend import kernels
 
     return kernels.optimizer_kernels()
-
-
-@hookimpl
-def devshim_offload_io(report: DeviceReport) -> OffloadIO:
-    from devshim_kernels import file_io
-
-    return OffloadIO(file_io=file_io.AsyncFileIO if file_io.AVAILABLE else None, source=file_io.describe())
 
 
 @hookimpl

@@ -17,7 +17,7 @@ import devshim_kernels as dk
 import torch
 import torch_npu
 
-from devshim_core import AttentionKernels, OptimizerKernels
+from devshim_core import AttentionKernels, OptimizerKernels, host_defaults
 
 Tensor = torch.Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -172,7 +172,7 @@ def attention_kernels() -> AttentionKernels:
 
 
 def optimizer_kernels() -> OptimizerKernels:
-    return OptimizerKernels(
-        fused_adamw=fused_adamw, host_adam_step=dk.host_adam_step, host_adam_rollback=dk.host_adam_rollback,
-        source="fused_adamw: torch_npu.npu_apply_adam_w (devshim_kernels.fused_adamw for Adam/L2, no bias "
-               "correction, amsgrad, mixed dtypes); host Adam: devshim_kernels.host_adam_step/rollback")
+    return host_defaults.optimizer_kernels(
+        fused_adamw,
+        "fused_adamw: torch_npu.npu_apply_adam_w (devshim_kernels.fused_adamw for Adam/L2, no bias "
+        "correction, amsgrad, mixed dtypes)")

@@ -17,9 +17,9 @@ from devshim_core import (
     CollectivesSpec,
     DeviceReport,
     DeviceTraits,
-    OffloadIO,
     OptimizerKernels,
     hookimpl,
+    host_defaults,
 )
 from devshim_cpu_reference import memory
 from devshim_cpu_reference.device_module import CpuDeviceModule, configured_device_count
@@ -65,16 +65,7 @@ def devshim_allocator(report: DeviceReport) -> AllocatorSpec:
 
 @hookimpl
 def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels:
-    return OptimizerKernels(fused_adamw=devshim_kernels.fused_adamw, host_adam_step=devshim_kernels.host_adam_step,
-                            host_adam_rollback=devshim_kernels.host_adam_rollback,
-                            source=f"devshim_kernels, {devshim_kernels.implementation()}")
-
-
-@hookimpl
-def devshim_offload_io(report: DeviceReport) -> OffloadIO:
-    from devshim_kernels import file_io
-
-    return OffloadIO(file_io=file_io.AsyncFileIO if file_io.AVAILABLE else None, source=file_io.describe())
+    return host_defaults.optimizer_kernels(devshim_kernels.fused_adamw, "fused_adamw: devshim_kernels")
 
 
 @hookimpl

@@ -24,9 +24,9 @@ from devshim_core import (
     CollectivesSpec,
     DeviceReport,
     DeviceTraits,
-    OffloadIO,
     OptimizerKernels,
     hookimpl,
+    host_defaults,
 )
 from devshim_cuda import allocator, detect, traits
 
@@ -75,23 +75,11 @@ def devshim_allocator(report: DeviceReport) -> AllocatorSpec:
 
 @hookimpl
 def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels:
-    import devshim_kernels
-
     from devshim_cuda import kernels
 
-    return OptimizerKernels(
-        fused_adamw=kernels.fused_adamw, host_adam_step=devshim_kernels.host_adam_step,
-        host_adam_rollback=devshim_kernels.host_adam_rollback,
-        source=f"fused_adamw: torch._fused_adamw_/_fused_adam_ (devshim_cuda.kernels; written out in fp32 without bias "
-               f"correction, for mixed dtypes or strided tensors); host Adam: devshim_kernels, "
-               f"{devshim_kernels.implementation()}")
-
-
-@hookimpl
-def devshim_offload_io(report: DeviceReport) -> OffloadIO:
-    from devshim_kernels import file_io
-
-    return OffloadIO(file_io=file_io.AsyncFileIO if file_io.AVAILABLE else None, source=file_io.describe())
+    return host_defaults.optimizer_kernels(
+        kernels.fused_adamw, "fused_adamw: torch._fused_adamw_/_fused_adam_ (devshim_cuda.kernels; written out in fp32 "
+                             "without bias correction, for mixed dtypes or strided tensors)")
 
 
 @hookimpl

@@ -16,7 +16,7 @@ from typing import Any
 import devshim_kernels as dk
 import torch
 
-from devshim_core import AttentionKernels, OptimizerKernels
+from devshim_core import AttentionKernels, OptimizerKernels, host_defaults
 
 Tensor = torch.Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -110,7 +110,7 @@ def attention_kernels() -> AttentionKernels:
 
 
 def optimizer_kernels() -> OptimizerKernels:
-    return OptimizerKernels(
-        fused_adamw=fused_adamw, host_adam_step=dk.host_adam_step, host_adam_rollback=dk.host_adam_rollback,
-        source="fused_adamw: torch._fused_adamw_/_fused_adam_ on the TPU (devshim_kernels.fused_adamw without bias "
-               "correction or for mixed dtypes); host Adam: devshim_kernels.host_adam_step/rollback")
+    return host_defaults.optimizer_kernels(
+        fused_adamw,
+        "fused_adamw: torch._fused_adamw_/_fused_adam_ on the TPU (devshim_kernels.fused_adamw without bias "
+        "correction or for mixed dtypes)")

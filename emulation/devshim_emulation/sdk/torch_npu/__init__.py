@@ -1,21 +1,18 @@
 """Simulated ``torch_npu`` (devshim emulation): importing it brings up the emulated ``npu`` device.
 
 Like Huawei's package, the import registers the ``npu`` device (``torch.npu``), the ``hccl`` backend and the
-``torch.ops.npu`` operators. The device is devshim's host-memory emulator and the operators compute with
-``devshim_kernels``; see ``devshim_core.emulation``. Not Huawei's code.
+``torch.ops.npu`` operators. The device is devshim's host-memory emulator and the operators compute with plain
+torch (never ``devshim_kernels``: they are the independent side of the conformance kit's comparison); see
+``devshim_emulation`` and ``devshim_emulation.vendors.ascend``. Not Huawei's code.
 """
 
 import torch
-
-from devshim_core import emulation
-from devshim_core.emulation.collectives import VendorRules, register_backend
+from devshim_emulation import vendors
 
 __version__ = "2.13.0+devshim.emulated"
 EMULATED = True
 
-npu = emulation.enable_device("npu", device_count=lambda: emulation.visible_device_count("ASCEND_RT_VISIBLE_DEVICES"),
-                              device_name="Ascend910B2 (devshim emulation)")
-register_backend(VendorRules(backend="hccl", device_type="npu"), emulation.host_alias)
+npu = vendors.enable("ascend")  # the npu device and the hccl backend
 
 
 class _LegacyTensorType(type):

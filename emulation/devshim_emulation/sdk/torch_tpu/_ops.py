@@ -3,16 +3,18 @@
 Schemas from sophgo/torch-tpu (``torch_tpu/csrc/ops/my_ops/{myOps,RMSNorm,LLamaMlp,PagedAttention}.cpp``):
 the caller allocates the outputs and the op writes them and returns the main one. Like the vendor's, they run
 only on TPU tensors (``CHECK_TENSOR_IN_DEVICE``), are not differentiable themselves (Sophgo wraps them in
-autograd Functions with the matching ``*_backward`` op) and compute here with ``devshim_kernels``.
-Sophgo has no standalone swiglu or rotary op; rotary is fused into ``llama_attention_forward``. Not Sophgo's code.
+autograd Functions with the matching ``*_backward`` op) and compute here with plain torch (written-out formulas,
+torch's own ``scaled_dot_product_attention``), never ``devshim_kernels``, so that the conformance kit compares two
+independent implementations. Sophgo has no standalone swiglu or rotary op; rotary is fused into
+``llama_attention_forward``. Not Sophgo's code.
 """
 
 from __future__ import annotations
 
 import math
 
-import devshim_kernels as dk
 import torch
+import torch.nn.functional as F
 
 Tensor = torch.Tensor
 DEVICE = "tpu"
@@ -52,6 +54,18 @@ def _param(op: str, name: str, t: Tensor | None, inner: int) -> Tensor | None:
     return t.reshape(inner)
 
 
+def _rms_norm(rows: Tensor, scale: Tensor | None, eps: float) -> Tensor:
+    """``rows / sqrt(mean(rows**2) + eps) * scale`` over the last dimension, in fp32 (differentiable)."""
+    xf = rows.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return y if scale is None else y * scale.float()
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
 # -- rmsnorm_forward / rmsnorm_backward ----------------------------------------------------------------------------
 
 _LIB.define("rmsnorm_forward(Tensor input, Tensor? scale, Tensor? bias, Tensor(a!) output, int axis, float eps) "
@@ -69,11 +83,10 @@ def _rmsnorm_forward(x: Tensor, scale: Tensor | None, bias: Tensor | None, outpu
         raise TypeError(f"my_ops.{op}: input must be float32, float16 or bfloat16, got {x.dtype}")
     _check_out(op, "output", output, tuple(x.shape), x.dtype)
     inner = _inner(op, x, axis)
-    rows = x.reshape(-1, inner)
-    y = dk.rms_norm(rows, _param(op, "scale", scale, inner), eps)
+    y = _rms_norm(x.reshape(-1, inner), _param(op, "scale", scale, inner), eps)
     b = _param(op, "bias", bias, inner)
     if b is not None:
-        y = y + b
+        y = y + b.float()
     output.copy_(y.view(x.shape))
     return output
 
@@ -98,7 +111,7 @@ def _rmsnorm_backward(grad_output: Tensor, x: Tensor, scale: Tensor | None, bias
     with torch.enable_grad():
         xr = x.detach().reshape(-1, inner).requires_grad_(grad_input is not None)
         wr = w.detach().requires_grad_(grad_scale is not None) if w is not None else None
-        y = dk.rms_norm(xr, wr, eps)
+        y = _rms_norm(xr, wr, eps)
         leaves = [t for t in (xr, wr) if t is not None and t.requires_grad]
         grads = torch.autograd.grad(y, leaves, grad_output.reshape(y.shape).to(y.dtype)) if leaves else ()
     with torch.no_grad():
@@ -147,7 +160,7 @@ def _llama_mlp_forward(x: Tensor, weight0: Tensor, weight1: Tensor, weight2: Ten
     _check_out(op, "output", output, tuple(x.shape), x.dtype)
     up = torch.nn.functional.linear(x, weight0, bias0)
     gate = torch.nn.functional.linear(x, weight1, bias1)
-    hidden = dk.swiglu(torch.cat((gate, up), dim=-1))  # silu(gate) * up
+    hidden = (F.silu(gate.float()) * up.float()).to(x.dtype)
     out = hidden @ weight2
     if bias2 is not None:
         out = out + bias2
@@ -202,9 +215,9 @@ def _llama_attention_forward(out: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: 
     start = 0
     for n in lengths:
         qs, ks, vs = q[start:start + n], k[start:start + n], v[start:start + n]
-        if cos is not None:
-            c, s = cos[:n].reshape(n, 1, -1), sin[:n].reshape(n, 1, -1)
-            qs, ks = dk.rotary(qs, c, s), dk.rotary(ks, c, s)
+        if cos is not None:  # rotate-half at positions 0..n-1, in fp32
+            c, s = cos[:n].reshape(n, 1, -1).float(), sin[:n].reshape(n, 1, -1).float()
+            qs, ks = ((t.float() * c + _rotate_half(t.float()) * s).to(t.dtype) for t in (qs, ks))
         bias = None
         if mask is not None:
             rows = mask[start:start + n, :n]
@@ -216,9 +229,13 @@ def _llama_attention_forward(out: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: 
             if bias is not None:
                 scores = scores + bias
             softmax_lse[start:start + n].copy_(torch.logsumexp(scores, -1).transpose(0, 1).unsqueeze(-1))
-        attn = dk.attention(qs[None], ks[None], vs[None], layout="BSND",
-                            attn_mask=None if bias is None else bias.to(q.dtype), dropout_p=dropout_rate, scale=scale)
-        out[start:start + n].copy_(attn[0])
+        # [n, H, D] -> [1, H, n, D]; key/value heads repeated up to the query's (grouped-query)
+        repeat = q.shape[1] // ks.shape[1]
+        attn = F.scaled_dot_product_attention(
+            qs.transpose(0, 1)[None], ks.repeat_interleave(repeat, 1).transpose(0, 1)[None],
+            vs.repeat_interleave(repeat, 1).transpose(0, 1)[None], attn_mask=None if bias is None else bias.to(q.dtype),
+            dropout_p=dropout_rate, scale=scale)
+        out[start:start + n].copy_(attn[0].transpose(0, 1))
         start += n
     return out
 

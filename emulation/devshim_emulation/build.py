@@ -99,7 +99,8 @@ def _say(message: str) -> None:
 
 def _what() -> str:
     """The device being built, as the user asked for it: ``DEVSHIM_EMULATE``'s vendor and its device type."""
-    from devshim_core.emulation import VENDORS, EmulationError, requested_vendor
+    from devshim_emulation.errors import EmulationError
+    from devshim_emulation.sdks import VENDORS, requested_vendor
 
     try:
         vendor = requested_vendor()

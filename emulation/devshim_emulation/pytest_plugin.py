@@ -1,4 +1,8 @@
-"""pytest support for emulated devices: ``pytest -p devshim_core.emulation.pytest_plugin --devshim-emulate=ascend``.
+"""pytest support for emulated devices: ``pytest --devshim-emulate=ascend``.
+
+Registered under pytest's ``pytest11`` entry point by devshim-emulation (named after this module, so that
+``-p devshim_emulation.pytest_plugin``, with pytest's plugin autoload off, finds it registered, not twice):
+installing the emulator is all a test suite needs.
 
 - ``--devshim-emulate=VENDOR`` (or ``DEVSHIM_EMULATE=VENDOR`` in the environment) brings the vendor's emulated
   device up before collection, in the pytest process, and exports the variable so that the jobs a test
@@ -17,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from devshim_core import emulation
+import devshim_emulation as emulation
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

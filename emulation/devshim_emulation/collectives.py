@@ -1,10 +1,10 @@
 """Emulated vendor collectives (``hccl``, ``sccl``): a ``torch.distributed`` backend on the emulated device.
 
 The process group runs gloo on zero-copy host aliases of the device tensors (the emulated device memory is
-host memory), so gloo reads and writes device memory directly. It keeps what the vendor's library would
-refuse: a CPU tensor, or a tensor of another device type. A :class:`VendorRules` says what a vendor's
-library lacks and how its own adaptor papers over it (Sophgo narrows dtypes and has no all-gather into
-one tensor).
+host memory), so gloo reads and writes device memory directly. A :class:`VendorRules` says what a vendor's
+library refuses (a CPU tensor, say) and how its own adaptor papers over what it lacks (dtypes it reduces in
+another dtype); each vendor's rules are declared in its module of :mod:`devshim_emulation.vendors`, nothing
+here knows a vendor.
 
 Every collective runs after the current stream's queued copies (the host aliases wait for them, as a vendor
 library's stream waits on the current one) and completes before it returns; the returned ``Work`` is done.
@@ -32,8 +32,11 @@ class VendorRules:
 
     backend: str
     device_type: str
-    #: dtypes reduced in another dtype and cast back (Sophgo: int64 -> int32, float64 -> float32 ...)
+    #: dtypes reduced in another dtype and cast back (vendors/sophgo.py: int64 -> int32, float64 -> float32 ...)
     reduce_casts: dict[torch.dtype, torch.dtype] = field(default_factory=dict)
+    #: ``refuses(tensor, what)``: why the library refuses an operand of collective ``what`` (the message of the
+    #: RuntimeError raised), or ``None`` when it takes it; without it every tensor is taken (a CPU tensor as is)
+    refuses: Callable[[torch.Tensor, str], str | None] | None = None
 
 
 def _done(result: Any) -> Any:
@@ -86,12 +89,10 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     def _host(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         hosts = []
         for tensor in tensors:
-            if tensor.device.type != self._rules.device_type:
-                raise RuntimeError(f"{self._rules.backend.upper()} {what}: tensors must be on the "
-                                   f"{self._rules.device_type} device, got a tensor on {tensor.device} "
-                                   f"(move it with .to('{self._rules.device_type}') first; emulated "
-                                   f"{self._rules.backend} refuses what the real library refuses)")
-            hosts.append(self._alias(tensor))
+            refused = self._rules.refuses(tensor, what) if self._rules.refuses is not None else None
+            if refused is not None:
+                raise RuntimeError(refused)
+            hosts.append(self._alias(tensor) if tensor.device.type == self._rules.device_type else tensor)
         return hosts
 
     def _reduce_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:

@@ -2,10 +2,13 @@
 
 ``torch.ops.npu.npu_rms_norm`` and ``torch_npu.npu_rms_norm`` are the same operator, with the vendor's schema and
 semantics (Ascend op-plugin docs and schemas: ``npu_fusion_attention``, ``npu_rms_norm``, ``npu_swiglu``,
-``npu_rotary_mul``, ``npu_apply_adam_w``). The arithmetic is ``devshim_kernels``': the differentiable ops are
-``CompositeImplicitAutograd`` kernels built from it, so autograd differentiates them as it differentiates the
-reference kernels (``npu_apply_adam_w`` follows the vendor's own formula: it takes beta powers, not a step).
-Like the vendor's, every op refuses tensors that are not on an NPU. Not Huawei's code.
+``npu_rotary_mul``, ``npu_apply_adam_w``). The arithmetic is plain torch (its own ``scaled_dot_product_attention``
+for the attention, written-out formulas for the rest), never ``devshim_kernels``: the conformance kit compares the
+plugins' kernels, which run these ops, with ``devshim_kernels`` on the host, so these must be a second, independent
+implementation, with their own layout conversions and mask polarity (a mistake made the same way on both sides
+would pass). The differentiable ops are ``CompositeImplicitAutograd`` kernels, so autograd differentiates their
+arithmetic (``npu_apply_adam_w`` follows the vendor's own formula: it takes beta powers, not a step). Like the
+vendor's, every op refuses tensors that are not on an NPU. Not Huawei's code.
 
 Where the emulation differs from the hardware (documented per op): ``npu_fusion_attention``'s softmax statistics
 are NaN placeholders, its dropout draws from torch's generator (seed/offset are 0), ``sparse_mode`` 4-8 (band,
@@ -18,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import devshim_kernels as dk
 import torch
+import torch.nn.functional as F
 
 Tensor = torch.Tensor
 DEVICE = "npu"
@@ -168,6 +171,7 @@ def _npu_fusion_attention(query: Tensor, key: Tensor, value: Tensor, head_num: i
     if atten_mask is not None:  # without a mask the vendor computes full attention whatever sparse_mode says
         if sparse_mode in (2, 3):
             _check_compressed_mask(atten_mask, sparse_mode)
+            # 2: left-up (query i sees keys j <= i); 3: right-down (j <= i + Skv - Sq)
             causal, alignment, mask = True, ("top_left" if sparse_mode == 2 else "bottom_right"), None
         elif sparse_mode not in (0, 1):
             raise NotImplementedError(f"{op}: sparse_mode={sparse_mode} (band/prefix/varlen outer-cut) is not "
@@ -183,15 +187,19 @@ def _npu_fusion_attention(query: Tensor, key: Tensor, value: Tensor, head_num: i
                            _vendor_lengths("actual_seq_qlen", actual_seq_qlen),
                            _vendor_lengths("actual_seq_kvlen", actual_seq_kvlen))
     else:
-        if pse is not None:  # scale * (pse + qk) = scale*qk + scale*pse: an additive mask, masked cells at -inf
+        bias = None
+        if pse is not None:  # scale * (pse + qk) = scale*qk + scale*pse: an additive bias, masked cells at -inf
             _float_dtype(op, "pse", pse)
             if pse.dim() != 4:
                 raise ValueError(f"{op}: pse must be BNSS, BN1S or 1NSS, got shape {tuple(pse.shape)}")
             bias = pse.to(query.dtype) * scale
-            mask = bias if mask is None else bias.masked_fill(mask.bool(), float("-inf"))
-        out = dk.attention(query, key, value, layout=input_layout, num_heads=head_num, attn_mask=mask,
-                           mask_true_means_masked=True, causal=causal, dropout_p=dropout_p, scale=scale,
-                           causal_alignment=alignment)
+        kv_heads = key.shape[-1] // (query.shape[-1] // head_num) if input_layout in ("BSH", "SBH") else 0
+        q = _to_bnsd(query, input_layout, head_num)
+        k, v = _to_bnsd(key, input_layout, kv_heads), _to_bnsd(value, input_layout, kv_heads)
+        keep = None if mask is None else ~mask.bool()  # the vendor's True = masked out; SDPA's True = attends
+        if causal:
+            keep = _causal_keep(q.shape[2], k.shape[2], alignment, query.device)
+        out = _from_bnsd(_attend(q, k, v, keep, bias, dropout_p, scale), input_layout)
         b, n, s_q, _ = _stat_shapes(query, input_layout, head_num)
         numels = b * n * s_q * key.shape[_SEQ_DIM[input_layout]] if dropout_p else 0
     stats = torch.full(_stat_shapes(query, input_layout, head_num), float("nan"), dtype=torch.float32,
@@ -213,31 +221,75 @@ def _tnd(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal:
         raise ValueError(f"npu_fusion_attention: with input_layout TND atten_mask must be SS (maxSq x maxSkv), got "
                          f"shape {tuple(mask.shape)}")
     q, k, v = query[:used_q], key[:used_kv], value[:used_kv]
-    if mask is None:
-        out = dk.attention(q, k, v, layout="TND", cu_seqlens_q=_cumulative(len_q), cu_seqlens_kv=_cumulative(len_kv),
-                           causal=causal, dropout_p=dropout_p, scale=scale,
-                           causal_alignment=alignment)  # type: ignore[arg-type]
-    else:
-        outs = []
-        for qs, ks, vs, lq, lk in zip(q.split(len_q), k.split(len_kv), v.split(len_kv), len_q, len_kv, strict=True):
-            if lq and lk:
-                outs.append(dk.attention(qs[None], ks[None], vs[None], layout="BSND", attn_mask=mask[:lq, :lk],
-                                         mask_true_means_masked=True, dropout_p=dropout_p, scale=scale)[0])
-            else:
-                outs.append(qs.new_zeros(lq, qs.shape[1], v.shape[-1]))
-        out = torch.cat(outs)
+    outs = []
+    for qs, ks, vs, lq, lk in zip(q.split(len_q), k.split(len_kv), v.split(len_kv), len_q, len_kv, strict=True):
+        if not (lq and lk):  # no queries, or queries with no key: zeros, like a fully masked row
+            outs.append(qs.new_zeros(lq, qs.shape[1], v.shape[-1]))
+            continue
+        keep = None if mask is None else ~mask[:lq, :lk].bool()  # the mask is cut to this sequence's lengths
+        if causal:
+            triangle = _causal_keep(lq, lk, alignment, query.device)
+            keep = triangle if keep is None else keep & triangle
+        # [T, N, D] -> [1, N, T, D] and back
+        attended = _attend(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], keep, None,
+                           dropout_p, scale)
+        outs.append(attended[0].transpose(0, 1))
+    out = torch.cat(outs)
     if used_q < query.shape[0]:  # tokens past the last counted sequence take no part: zeros
         out = torch.cat((out, out.new_zeros(query.shape[0] - used_q, *out.shape[1:])))
     numels = sum(a * b for a, b in zip(len_q, len_kv, strict=True)) * query.shape[1] if dropout_p else 0
-    return out, numels
+    return out.contiguous(), numels
 
 
-def _cumulative(lengths: list[int]) -> list[int]:
-    total, ends = 0, [0]
-    for n in lengths:
-        total += n
-        ends.append(total)
-    return ends
+def _to_bnsd(t: Tensor, layout: str, heads: int) -> Tensor:
+    """``t`` as [batch, heads, seq, dim]: BSND swaps S and N; BSH/SBH split the hidden size into ``heads`` heads
+    (head_num for the query; key/value may have fewer, GQA, and value another head size)."""
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    if layout == "BSH":
+        batch, seq, hidden = t.shape
+        return t.reshape(batch, seq, heads, hidden // heads).transpose(1, 2)
+    seq, batch, hidden = t.shape  # SBH
+    return t.reshape(seq, batch, heads, hidden // heads).permute(1, 2, 0, 3)
+
+
+def _from_bnsd(t: Tensor, layout: str) -> Tensor:
+    """[batch, heads, seq, dim] back to ``layout``, contiguous as the vendor's output is."""
+    batch, heads, seq, dim = t.shape
+    if layout == "BSND":
+        t = t.transpose(1, 2)
+    elif layout == "BSH":
+        t = t.transpose(1, 2).reshape(batch, seq, heads * dim)
+    elif layout == "SBH":
+        t = t.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
+    return t.contiguous()
+
+
+def _causal_keep(s_q: int, s_kv: int, alignment: str, device: torch.device) -> Tensor:
+    """The cells a causal query may attend to: j <= i (left-up, sparse_mode 2) or j <= i + Skv - Sq (right-down,
+    sparse_mode 3)."""
+    shift = s_kv - s_q if alignment == "bottom_right" else 0
+    return torch.ones(s_q, s_kv, dtype=torch.bool, device=device).tril(shift)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor | None, dropout_p: float,
+            scale: float) -> Tensor:
+    """``softmax(scale * q @ k^T + bias, over the kept cells) @ v`` on [B, N, S, D] tensors, by torch's own
+    ``scaled_dot_product_attention``; key/value heads are repeated up to the query's (GQA). ``keep``: True = attends
+    (broadcast to [B, N, Sq, Skv]); a query that attends to no key gets zeros."""
+    if q.shape[1] != k.shape[1]:
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"npu_fusion_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} "
+                             "key/value heads")
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    mask = keep
+    if bias is not None:
+        mask = bias if keep is None else torch.where(keep, bias, torch.full((), float("-inf"), dtype=bias.dtype,
+                                                                            device=bias.device))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
 _LIB.impl("npu_fusion_attention", _npu_fusion_attention, "CompositeImplicitAutograd")
@@ -264,12 +316,10 @@ def _npu_rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6) -> tuple[Tens
     if k < 1 or k > x.dim() or tuple(gamma.shape) != tuple(x.shape[-k:]):
         raise ValueError(f"{op}: gamma of shape {tuple(gamma.shape)} must match the trailing dimensions of self "
                          f"{tuple(x.shape)}")
-    rows = x.flatten(-k) if k > 1 else x
-    y = dk.rms_norm(rows, gamma.flatten() if k > 1 else gamma, epsilon).to(x.dtype).view(x.shape)
-    with torch.no_grad():  # the statistic the vendor saves for its backward; not differentiable
-        xf = rows.detach().float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + epsilon)
-    return y, rstd.view(*x.shape[:-k], *([1] * k))
+    xf = x.float()  # computed in fp32, written in x's dtype
+    rstd = torch.rsqrt(xf.pow(2).mean(tuple(range(-k, 0)), keepdim=True) + epsilon)  # x.shape[:-k] + (1,) * k
+    y = (xf * rstd * gamma.float()).to(x.dtype)
+    return y, rstd.detach()  # the statistic the vendor saves for its backward; not differentiable
 
 
 _LIB.impl("npu_rms_norm", _npu_rms_norm, "CompositeImplicitAutograd")
@@ -298,9 +348,8 @@ def _npu_swiglu(x: Tensor, dim: int = -1) -> Tensor:
     dim %= x.dim()
     if x.shape[dim] % 2:
         raise RuntimeError(f"{op}: dimension {dim} of self has odd size {x.shape[dim]}; it must split in two halves")
-    if dim == x.dim() - 1:
-        return dk.swiglu(x)
-    return dk.swiglu(x.movedim(dim, -1)).movedim(-1, dim).contiguous()
+    a, b = x.chunk(2, dim)  # a, the first half, goes through SiLU
+    return (F.silu(a.float()) * b.float()).to(x.dtype).contiguous()
 
 
 _LIB.impl("npu_swiglu", _npu_swiglu, "CompositeImplicitAutograd")
@@ -326,7 +375,12 @@ def _npu_rotary_mul(x: Tensor, r1: Tensor, r2: Tensor, rotary_mode: str = "half"
     if r1.shape != r2.shape or r1.shape[-1] != x.shape[-1] or x.shape[-1] % 2:
         raise ValueError(f"{op}: r1 {tuple(r1.shape)} and r2 {tuple(r2.shape)} must share a shape whose last "
                          f"dimension is self's (even) head size {x.shape[-1]}")
-    return dk.rotary(x, r1, r2, interleaved=rotary_mode == "interleave")
+    if rotary_mode == "half":
+        x1, x2 = x.chunk(2, -1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+    else:  # each pair (x0, x1) -> (-x1, x0)
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    return (r1.float() * x.float() + r2.float() * rotated.float()).to(x.dtype)
 
 
 _LIB.impl("npu_rotary_mul", _npu_rotary_mul, "CompositeImplicitAutograd")

@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from devshim_core.emulation import DEVICE_MEMORY
 from devshim_core.stream_context import StreamContext
+from devshim_emulation.device import DEVICE_MEMORY
 
 
 class DeviceProperties(NamedTuple):
