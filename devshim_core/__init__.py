@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         CollectivesSpec,
         DeviceReport,
         DeviceTraits,
+        FusedKernels,
         OffloadIO,
         OptimizerKernels,
     )
@@ -33,6 +34,7 @@ _EXPORTS = {
     "hookimpl": "devshim_core.hookspecs",
     "AllocatorSpec": "devshim_core.records",
     "AttentionKernels": "devshim_core.records",
+    "FusedKernels": "devshim_core.records",
     "CollectivesSpec": "devshim_core.records",
     "DeviceReport": "devshim_core.records",
     "DeviceTraits": "devshim_core.records",
@@ -46,6 +48,7 @@ __all__ = [
     "CollectivesSpec",
     "DeviceReport",
     "DeviceTraits",
+    "FusedKernels",
     "OffloadIO",
     "OptimizerKernels",
     "SessionInfo",

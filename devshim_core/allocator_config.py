@@ -11,7 +11,9 @@ from __future__ import annotations
 def split_items(value: str) -> list[str]:
     """The comma-separated ``key:value`` items, stripped and non-empty; a bracketed list stays one value
     (``roundup_power2_divisions:[64:8,>:1]``). Raises ``ValueError`` on unbalanced brackets."""
-    items, current, depth = [], [], 0
+    items: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in value:
         if char == "[":
             depth += 1

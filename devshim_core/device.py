@@ -24,10 +24,10 @@ from devshim_core.records import (
     DEVICE_MODULE_API,
     STREAM_API,
     AllocatorSpec,
-    AttentionKernels,
     CollectivesSpec,
     DeviceReport,
     DeviceTraits,
+    FusedKernels,
     OffloadIO,
     OptimizerKernels,
 )
@@ -58,7 +58,7 @@ class Device:
     """The selected device, as the integrations see it."""
 
     def __init__(self, info: DeviceInfo, module: Any, traits: DeviceTraits, collectives: CollectivesSpec,
-                 allocator: AllocatorSpec, optimizer: OptimizerKernels, attention: AttentionKernels,
+                 allocator: AllocatorSpec, optimizer: OptimizerKernels, attention: FusedKernels,
                  offload_io: OffloadIO, patches: tuple[Patch, ...]) -> None:
         self.info = info
         self.type: str = info.report.device_type
@@ -212,7 +212,7 @@ def build_device(registry: PluginRegistry, selection: Selection) -> Device:
     allocator = _checked(registry, record, "devshim_allocator", AllocatorSpec)
     _check_allocator_config(record.name, allocator)
     optimizer = _checked(registry, record, "devshim_optimizer_kernels", OptimizerKernels, OptimizerKernels())
-    attention = _checked(registry, record, "devshim_attention_kernels", AttentionKernels, AttentionKernels())
+    attention = _checked(registry, record, "devshim_attention_kernels", FusedKernels, FusedKernels())
     # host file I/O is the same whatever the device: a plugin that does not answer gets devshim's (host_defaults)
     offload_io = _checked(registry, record, "devshim_offload_io", OffloadIO, _HostDefault.OFFLOAD_IO)
     if offload_io is _HostDefault.OFFLOAD_IO:

@@ -36,11 +36,11 @@ if TYPE_CHECKING:
     from devshim_core.patching import Patch
     from devshim_core.records import (
         AllocatorSpec,
-        AttentionKernels,
         CollectivesSpec,
         DeviceModule,
         DeviceReport,
         DeviceTraits,
+        FusedKernels,
         OffloadIO,
         OptimizerKernels,
     )
@@ -171,13 +171,13 @@ def devshim_offload_io(report: DeviceReport) -> OffloadIO | None:
 
 
 @hookspec(firstresult=True)
-def devshim_attention_kernels(report: DeviceReport) -> AttentionKernels | None:
+def devshim_attention_kernels(report: DeviceReport) -> FusedKernels | None:
     """Provide attention and the fused ops that ride with it (rms_norm, swiglu, rotary, masked_softmax,
-    wgrad_accumulate), with the conventions :class:`~devshim_core.records.AttentionKernels` states at the
+    wgrad_accumulate), with the conventions :class:`~devshim_core.records.FusedKernels` states at the
     boundary: a vendor whose mask polarity, default scale or return shape differ converts inside the plugin,
     never in the caller.
 
-    Return: an :class:`AttentionKernels`; any field may be ``None``. ``devshim info`` reports them, and
+    Return: an :class:`FusedKernels`; any field may be ``None``. ``devshim info`` reports them, and
     devshim's Megatron integration calls them in place of Megatron's CUDA-only and unfused paths: ``attention``
     in ``DotProductAttention``, ``rms_norm`` in the local spec's norm, ``swiglu`` in the bias-SwiGLU fusion,
     ``rotary`` for rotary embeddings (fused and unfused), ``masked_softmax`` in ``FusedScaleMaskSoftmax`` and

@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import importlib.abc
@@ -79,7 +79,7 @@ class _Finder:  # a meta-path finder by protocol, for the same reason
             self._resolving.active = False
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _Loader(spec.loader, fullname)
+        spec.loader = cast("importlib.abc.Loader", _Loader(spec.loader, fullname))  # a Loader by protocol
         return spec
 
 

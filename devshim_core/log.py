@@ -24,7 +24,7 @@ class _Stderr(logging.StreamHandler):
     def __init__(self) -> None:
         super().__init__(sys.stderr)
 
-    @property  # type: ignore[override]  # a property over StreamHandler's attribute: looked up at each record
+    @property  # over StreamHandler's attribute: looked up at each record
     def stream(self) -> object:
         return sys.stderr
 

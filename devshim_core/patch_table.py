@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from typing import Any
 
 from devshim_core.patching import REGISTRY
 from devshim_core.session import activate
@@ -16,7 +17,7 @@ from devshim_core.session import activate
 _FRAMEWORK_MODULES = ("deepspeed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer")
 
 
-def collect() -> list[dict[str, object]]:
+def collect() -> list[dict[str, Any]]:  # REGISTRY.report()'s rows
     session = activate()
     for name in _FRAMEWORK_MODULES:
         if importlib.util.find_spec(name.partition(".")[0]) is not None:
@@ -27,10 +28,10 @@ def collect() -> list[dict[str, object]]:
     return rows
 
 
-def markdown(rows: list[dict[str, object]]) -> str:
+def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| set | patch | target | versions | why |", "|---|---|---|---|---|"]
     for r in rows:
-        requires = ", ".join(f"{d} {s}" for d, s in r["requires"].items()) or "-"  # type: ignore[union-attr]
+        requires = ", ".join(f"{d} {s}" for d, s in r["requires"].items()) or "-"
         cells = [str(r["set"]), str(r["name"]), f"`{r['target']}`", requires, str(r["reason"])]
         lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import threading
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +80,7 @@ class PluginRegistry:
         self.manager.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[PluginRecord]:
         return iter(self.records.values())
 
     def names(self) -> list[str]:

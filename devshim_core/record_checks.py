@@ -86,8 +86,9 @@ def _problem(value: Any, annotation: Any) -> str | None:
 def check_record(record: Any, plugin: str, hook: str) -> None:
     """Raise :class:`PluginError` naming ``plugin``, ``hook`` and the first field of ``record`` whose value does not
     have its declared type."""
+    record_type: type = type(record)  # (to mypy, type[Any] is not Hashable, as lru_cache wants; a class is)
     for field in dataclasses.fields(record):
-        annotation = _field_types(type(record)).get(field.name, Any)
+        annotation = _field_types(record_type).get(field.name, Any)
         problem = _problem(getattr(record, field.name), annotation)
         if problem:
             raise PluginError(f"plugin {plugin!r}: {hook} returned {type(record).__name__} whose field "

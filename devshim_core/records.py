@@ -275,8 +275,9 @@ class OffloadIO:
 
 
 @dataclass(frozen=True)
-class AttentionKernels:
-    """Attention and the fused ops that ride with it (``devshim_attention_kernels``), each ``None`` when
+class FusedKernels:
+    """Attention and the fused ops that ride with it (``devshim_attention_kernels``: rms_norm, swiglu, rotary, masked
+    softmax, wgrad accumulation), each ``None`` when
     the plugin has no such op. The signatures are PyTorch's conventions, whatever the vendor's are:
 
     - ``attention(q, k, v, *, layout, num_heads=None, attn_mask=None, mask_true_means_masked=False, causal=False,
@@ -315,3 +316,8 @@ class AttentionKernels:
     masked_softmax: Callable[..., Any] | None = None
     wgrad_accumulate: Callable[..., None] | None = None
     source: str = ""
+
+
+AttentionKernels = FusedKernels
+"""The name :class:`FusedKernels` had before 0.1 (it carries more than attention); kept so that plugins written
+against it keep working."""

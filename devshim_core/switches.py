@@ -34,8 +34,9 @@ def _names(raw: str) -> bool:
 
 
 def _forced(raw: str) -> bool:
+    """``name`` or ``name@distribution``; how many names, Settings says (it forces exactly one, blanks ignored)."""
     name, at, distribution = raw.partition("@")
-    return _plugin_name(name.strip()) and (not at or (bool(distribution.strip()) and "@" not in distribution))
+    return _names(name) and (not at or (bool(distribution.strip()) and "@" not in distribution))
 
 
 def _seconds(raw: str) -> bool:

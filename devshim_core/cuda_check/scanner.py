@@ -11,7 +11,7 @@ import ast
 import contextlib
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 from devshim_core.cuda_check import rules
 from devshim_core.cuda_check.rules import Category
@@ -66,7 +66,8 @@ def _is_cuda_device(node: ast.AST) -> bool:
 
 def _is_tensor_type_name(node: ast.AST) -> bool:
     """'torch.cuda.HalfTensor', as tensor.type() takes and returns it."""
-    match = rules.TENSOR_TYPE_NAME.fullmatch(node.value) if _fullmatch(rules.TENSOR_TYPE_NAME, node) else None
+    match = (rules.TENSOR_TYPE_NAME.fullmatch(node.value)  # type: ignore[attr-defined]  # a str: _fullmatch checked
+             if _fullmatch(rules.TENSOR_TYPE_NAME, node) else None)
     return match is not None and match.group(1) in coverage.TENSOR_TYPES
 
 
@@ -91,9 +92,9 @@ class _Scanner(ast.NodeVisitor):
 
     # -- reporting ------------------------------------------------------------------------------
 
-    def add(self, node: ast.AST, category: Category, construct: str, message: str,
+    def add(self, node: ast.expr | ast.stmt, category: Category, construct: str, message: str,
             at: tuple[int, int] | None = None) -> None:
-        line, offset = at or (node.lineno, node.col_offset)  # type: ignore[attr-defined]
+        line, offset = at or (node.lineno, node.col_offset)
         text = self.lines[line - 1] if line <= len(self.lines) else ""
         col = len(text.encode()[:offset].decode(errors="replace")) + 1  # ast counts UTF-8 bytes
         with contextlib.suppress(KeyError, IndexError, ValueError):  # a message with braces of its own stays as is
@@ -168,7 +169,7 @@ class _Scanner(ast.NodeVisitor):
             if whole or self._report_import(node, full):
                 self.reported_aliases.add(bound)
 
-    def _report_import(self, node: ast.AST, module: str) -> bool:
+    def _report_import(self, node: ast.expr | ast.stmt, module: str) -> bool:
         rule = rules.module_rule(module)
         if rule is None:
             return False
@@ -201,7 +202,7 @@ class _Scanner(ast.NodeVisitor):
         func = node.func
         callee = self.resolve(func)
         if callee == "importlib.import_module" and node.args and _fullmatch(_MODULE_NAME, node.args[0]):
-            self._report_import(node, node.args[0].value)  # type: ignore[attr-defined]
+            self._report_import(node, node.args[0].value)  # type: ignore[attr-defined]  # a str: _fullmatch checked
         if callee in (f"{rules.CPP_EXTENSION}.load", f"{rules.CPP_EXTENSION}.load_inline"):
             self._cpp_extension_load(node, callee)
         if callee is None and isinstance(func, ast.Attribute):
@@ -220,10 +221,11 @@ class _Scanner(ast.NodeVisitor):
     def _method_call(self, node: ast.Call, func: ast.Attribute) -> None:
         if func.attr == "cuda":
             served = "cuda" in coverage.TENSOR_METHODS | coverage.MODULE_METHODS
-            dot = (func.end_lineno, func.end_col_offset - len(".cuda"))  # model.cuda() is reported at .cuda
+            # model.cuda() is reported at .cuda (ast.parse sets the end positions: ints, never None)
+            dot = (cast(int, func.end_lineno), cast(int, func.end_col_offset) - len(".cuda"))
             self.add(func, "redirected" if served else "review", f"{_short(func.value, 32)}.cuda()",
                      ".cuda() moves tensors and modules to {device}" if served else ".cuda() is not redirected",
-                     at=dot)  # type: ignore[arg-type]
+                     at=dot)
         elif func.attr in coverage.TENSOR_METHODS and node.args and _is_device_index(node.args[0]):
             self.add(node.args[0], "redirected", f".{func.attr}({_short(node.args[0])})",
                      _DEVICE_INDEX_MESSAGE)
@@ -235,13 +237,14 @@ class _Scanner(ast.NodeVisitor):
         cu_files = sources is not None and any(
             isinstance(n, ast.Constant) and isinstance(n.value, str) and rules.CUDA_SOURCE.search(n.value)
             for n in ast.walk(sources))
-        with_cuda = isinstance(keywords.get("with_cuda"), ast.Constant) and keywords["with_cuda"].value is True
+        with_cuda = (isinstance(keywords.get("with_cuda"), ast.Constant)
+                     and cast(ast.Constant, keywords["with_cuda"]).value is True)
         if cu_files or "cuda_sources" in keywords or with_cuda:
             self.add(node, "unsupported", f"{callee}(... CUDA sources ...)", rules.CUDA_EXTENSION_MESSAGE)
 
     # -- string literals --------------------------------------------------------------------------
 
-    def _literal(self, node: ast.AST, construct: str | None = None) -> None:
+    def _literal(self, node: ast.expr, construct: str | None = None) -> None:
         """Report a string literal naming a CUDA thing; ``construct`` shows it in its call or subscript."""
         if id(node) in self.done:
             return

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
 Tensor = torch.Tensor
-TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 4e-2, "rtol": 4e-2}}
+
+
+class Tolerance(TypedDict):
+    """``torch.testing.assert_close``'s keywords."""
+
+    atol: float
+    rtol: float
+
+
+TOL: dict[torch.dtype, Tolerance] = {torch.float32: {"atol": 2e-5, "rtol": 1e-4},
+                                     torch.bfloat16: {"atol": 4e-2, "rtol": 4e-2}}
 
 
 def close(actual: Tensor, expected: Tensor, device: str, dtype: torch.dtype = torch.float32) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,7 +44,8 @@ def reference(world: int) -> tuple[list[list[float]], list[torch.Tensor]]:
         shards = [batch(step, rank, world) for rank in range(world)]
         per_rank = [torch.nn.functional.mse_loss(model(x), y) for x, y in shards]
         optimizer.zero_grad()
-        (sum(per_rank) / world).backward()  # DeepSpeed averages the ranks' gradients
+        # a Tensor: sum() of world >= 1 tensors
+        (cast(torch.Tensor, sum(per_rank)) / world).backward()  # DeepSpeed averages the ranks' gradients
         optimizer.step()
         losses.append([loss.item() for loss in per_rank])
     return losses, [p.detach() for p in model.parameters()]

@@ -20,7 +20,6 @@ import importlib.util
 import os
 import shutil
 import stat
-import sys
 import sysconfig
 import time
 from collections.abc import Iterator
@@ -94,7 +93,10 @@ def _private(directory: Path) -> None:
 
 
 def _say(message: str) -> None:
-    print(f"devshim: {message}", file=sys.stderr, flush=True)
+    """An event the user must see (a build of minutes), through devshim's logger: on stderr by default."""
+    from devshim_core import log
+
+    log.logger("emulation").info(message)
 
 
 def _what() -> str:

@@ -17,11 +17,15 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # private: not in torch's stubs
+from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 ReduceOp = dist.ReduceOp
 
@@ -50,10 +54,11 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta, rules: VendorRules,
                  alias: Callable[[torch.Tensor], torch.Tensor], options: Any = None) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # pybind's (rank, size) overload: not in torch's stub
         self._rules = rules
         self._alias = alias
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{rules.backend}-emulated", store), rank, size,
+        # Any: torch's stubs declare the collectives on ProcessGroup, not on the Backend that ProcessGroupGloo is
+        self._gloo: Any = dist.ProcessGroupGloo(dist.PrefixStore(f"{rules.backend}-emulated", store), rank, size,
                                            timeout)
         self._group_name = ""
         self.options = options  # what init_process_group(pg_options=...) gave, as a vendor backend keeps it
@@ -69,7 +74,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     def _device_types(self) -> list[torch.device]:
         return [torch.device(self._rules.device_type)]
 
-    def _get_backend(self, device: Any) -> EmulatedProcessGroup:
+    def _get_backend(self, device: Any) -> EmulatedProcessGroup:  # type: ignore[override]  # is its own Backend
         return self
 
     def getGroupName(self) -> str:
@@ -82,8 +87,8 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         self._group_name = name
 
     @property
-    def group_name(self) -> str:
-        return self._group_name
+    def group_name(self) -> GroupName:
+        return cast("GroupName", self._group_name)
 
     # -- operands ---------------------------------------------------------------------------------
     def _host(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
@@ -95,7 +100,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
             hosts.append(self._alias(tensor) if tensor.device.type == self._rules.device_type else tensor)
         return hosts
 
-    def _reduce_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    def _reduce_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Callable[[], object]]:
         """The tensor to reduce, and what to do after: narrow the dtype like the vendor's adaptor does."""
         cast = self._rules.reduce_casts.get(host.dtype)
         if cast is None:
@@ -111,7 +116,9 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         return op, False
 
     # -- collectives ------------------------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    # the ignored [override] errors below: these are the backend's methods, the (tensors, opts) form that torch's C++
+    # ProcessGroup dispatches to, not the Python overloads (a single tensor, op=, timeout=) its stubs declare
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]  # backend form: (tensors, opts)
         opts = opts if opts is not None else dist.AllreduceOptions()
         hosts = self._host(tensors, "allreduce")
         op, average = self._gloo_op(opts.reduceOp)
@@ -134,7 +141,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
             options.reduceOp = opts.reduceOp
         return self.allreduce(tensors, options)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]  # backend form: (tensors, opts)
         hosts = self._host(tensors, "reduce")
         op, average = self._gloo_op(opts.reduceOp)
         for host in hosts:
@@ -147,19 +154,19 @@ class EmulatedProcessGroup(dist.ProcessGroup):
             finish()
         return _done(tensors)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]  # backend form: (tensors, opts)
         opts = opts if opts is not None else dist.BroadcastOptions()
         self._gloo.broadcast(self._host(tensors, "broadcast"), opts).wait()
         return _done(tensors)
 
-    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]  # backend form: (tensors, opts)
+        opts = opts if opts is not None else AllgatherOptions()
         outs = [self._host(outputs, "allgather") for outputs in output_lists]
         self._gloo.allgather(outs, self._host(inputs, "allgather"), opts).wait()
         return _done(output_lists)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         self._gloo._allgather_base(self._host([output], "allgather")[0], self._host([input], "allgather")[0],
                                    opts).wait()
         return _done([output])
@@ -179,17 +186,17 @@ class EmulatedProcessGroup(dist.ProcessGroup):
             self.allgather([outputs], [input], opts)
         return _done(output_lists)
 
-    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]  # backend form: (tensors, opts)
         outs = [self._host(outputs, "gather") for outputs in output_lists]
         self._gloo.gather(outs, self._host(inputs, "gather"), opts).wait()
         return _done(output_lists)
 
-    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Any:  # type: ignore[override]  # backend form: (tensors, opts)
         ins = [self._host(inputs, "scatter") for inputs in input_lists]
         self._gloo.scatter(self._host(outputs, "scatter"), ins, opts).wait()
         return _done(outputs)
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]  # backend form: (tensors, opts)
                        opts: Any = None) -> Any:
         # gloo has no reduce_scatter: reduce each chunk where it belongs (SUM/AVG, as the vendors support)
         opts = opts if opts is not None else dist.ReduceScatterOptions()

@@ -26,6 +26,7 @@ import math
 import os
 from array import array
 from collections.abc import Sequence
+from typing import TypedDict, cast
 
 import torch
 
@@ -34,6 +35,20 @@ from devshim_kernels import _native
 Tensor = torch.Tensor
 # param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad), param copy
 _Entry = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
+
+
+class _Hyper(TypedDict):
+    """The keywords every update takes."""
+
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool
+    bias_correction: bool
+
 
 NATIVE_SWITCH = _native.NATIVE_SWITCH
 # Elements per thread below which another thread costs about what it saves: a parallel region of torch's OpenMP
@@ -94,7 +109,8 @@ def _same_shape(entry: _Entry, where: str) -> _Entry:
     if all(t is None or t.shape == shape for t in entry):
         return entry
     try:
-        return tuple(None if t is None else t.view(-1) for t in entry)  # type: ignore[return-value]
+        # views of the six, None where there was None
+        return cast(_Entry, tuple(None if t is None else t.view(-1) for t in entry))
     except RuntimeError as error:
         raise ValueError(f"{where}: tensors of different shapes must be contiguous to be updated as flat "
                          f"tensors ({error})") from None
@@ -152,7 +168,9 @@ def _fusable(entry: _Entry) -> bool:
 
 def _fused(entries: list[_Entry], *, amsgrad: bool, step: int, lr: float, beta1: float, beta2: float, eps: float,
            weight_decay: float, adamw_mode: bool) -> None:
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = ([e[k] for e in entries] for k in range(5))
+    # the maxima are tensors where amsgrad, and read only then
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = (cast("list[Tensor]", [e[k] for e in entries])
+                                                             for k in range(5))
     step_tensor = torch.tensor(float(step), dtype=torch.float32, device=params[0].device)
     kernel = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
     kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], [step_tensor] * len(params),
@@ -208,8 +226,8 @@ def _update(entries: list[_Entry], where: str, *, amsgrad: bool, step: int, lr: 
             eps: float, weight_decay: float, adamw_mode: bool, bias_correction: bool) -> None:
     if step < 1:
         raise ValueError(f"step must be >= 1 (the number of this update), got {step}")
-    hyper = {"step": step, "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
-             "adamw_mode": adamw_mode, "bias_correction": bias_correction}
+    hyper: _Hyper = {"step": step, "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+                     "adamw_mode": adamw_mode, "bias_correction": bias_correction}
     isa = _native_isa()
     native: list[_Entry] = []
     rest: list[tuple[int, _Entry]] = []
@@ -219,11 +237,11 @@ def _update(entries: list[_Entry], where: str, *, amsgrad: bool, step: int, lr: 
         else:
             rest.append((k, entry))
     if native:
-        _native_update(native, isa, **hyper)  # type: ignore[arg-type]
+        _native_update(native, cast(int, isa), **hyper)  # isa is not None: native holds entries only then
     if rest:
         flat = [_same_shape(entry, where.format(k)) for k, entry in rest]
         with torch.no_grad():  # an optimizer update, never part of a graph (params may be leaves)
-            _torch_update(flat, amsgrad=amsgrad, **hyper)  # type: ignore[arg-type]
+            _torch_update(flat, amsgrad=amsgrad, **hyper)
 
 
 # -- public API ----------------------------------------------------------------------------------------------------
@@ -238,9 +256,9 @@ def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
     ``max_exp_avg_sqs`` (one per param) turns on amsgrad; ``param_copies`` (bf16/fp16, ``None`` entries
     allowed) receive the updated params, rounded to nearest even."""
     count = len(params)
-    maxima = [None] * count if max_exp_avg_sqs is None else list(max_exp_avg_sqs)
-    copies = [None] * count if param_copies is None else list(param_copies)
-    entries = [_entry(*quad, maximum, copy, f"fused_adamw tensor {k}") for k, (*quad, maximum, copy) in
+    maxima: list[Tensor | None] = [None] * count if max_exp_avg_sqs is None else list(max_exp_avg_sqs)
+    copies: list[Tensor | None] = [None] * count if param_copies is None else list(param_copies)
+    entries = [_entry(p, g, m, v, maximum, copy, f"fused_adamw tensor {k}") for k, (p, g, m, v, maximum, copy) in
                enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, maxima, copies, strict=True))]
     _update(entries, "fused_adamw tensor {}", amsgrad=max_exp_avg_sqs is not None, step=step, lr=lr, beta1=beta1,
             beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bias_correction)

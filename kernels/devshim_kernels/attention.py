@@ -18,7 +18,8 @@ lengths). The call is SDPA, with its own backward, except in two measured cases 
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -117,7 +118,8 @@ def _bnsd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, al
         return blocked.blocked_causal_attention(q, k, v, scale)
     bottom_right = alignment == "bottom_right" and s_q != s_k
     if causal and (mask is not None or bottom_right):
-        if not bottom_right and _flash_cpu_applies(q, k, v, mask, dropout_p):
+        # (mask is not None: it is, when not bottom_right; said again for the type checker)
+        if not bottom_right and mask is not None and _flash_cpu_applies(q, k, v, mask, dropout_p):
             return _flash_cpu(q, k, v, mask, scale)
         triangle = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q if bottom_right else 0)
         mask = triangle if mask is None else _restrict(mask, triangle)
@@ -154,7 +156,8 @@ def _flash_cpu(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | Non
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
     else:
         mask = mask.to(q.dtype)
-    return _FLASH_CPU(q, k, v, 0.0, True, attn_mask=mask, scale=scale)[0]
+    flash = cast("Callable[..., tuple[Tensor, ...]]", _FLASH_CPU)  # not None: _flash_cpu_applies checked it
+    return flash(q, k, v, 0.0, True, attn_mask=mask, scale=scale)[0]
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: CuSeqlens, cu_kv: CuSeqlens, causal: bool,

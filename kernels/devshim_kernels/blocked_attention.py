@@ -12,6 +12,7 @@ callers use this only for training. The price is memory quadratic in the sequenc
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -67,7 +68,7 @@ def _forward(q_scaled: Tensor, k: Tensor, v: Tensor, keep: bool) -> tuple[Tensor
 
 class _BlockedCausal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         q_scaled = q * scale  # scaling [s, d] here is cheaper than scaling [s, s] scores
         out, probs = _forward(q_scaled, k, v, keep=True)
         ctx.save_for_backward(q_scaled, k, v, *probs)
@@ -76,7 +77,7 @@ class _BlockedCausal(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
         q_scaled, k, v, *probs = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q_scaled), torch.zeros_like(k), torch.zeros_like(v)
         for (start, end), p in zip(_blocks(q_scaled.shape[1]), probs, strict=True):

@@ -11,6 +11,7 @@ import ctypes
 import errno
 import os
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -92,8 +93,9 @@ class AsyncFileIO:
         else:
             name = os.fspath(target)
             path, fd = os.fsencode(name), -1
-        error = _LIBRARY.devshim_aio_submit(self._handle, int(read), path, fd, buffer.data_ptr(), buffer.nbytes,
-                                            file_offset)
+        library = cast(ctypes.CDLL, _LIBRARY)  # not None: __init__ made a handle with it
+        error = library.devshim_aio_submit(self._handle, int(read), path, fd, buffer.data_ptr(), buffer.nbytes,
+                                           file_offset)
         if error:
             raise OSError(error, f"cannot open for {'reading' if read else 'writing'}: {os.strerror(error)}", name)
         self._pending.append(_Pending(read, name, buffer))
@@ -107,7 +109,8 @@ class AsyncFileIO:
         if self._handle is None:
             raise RuntimeError("this AsyncFileIO is closed")
         error, index = ctypes.c_int(0), ctypes.c_int64(-1)
-        count = _LIBRARY.devshim_aio_wait(self._handle, ctypes.byref(error), ctypes.byref(index))
+        library = cast(ctypes.CDLL, _LIBRARY)  # not None: __init__ made a handle with it
+        count = library.devshim_aio_wait(self._handle, ctypes.byref(error), ctypes.byref(index))
         pending, self._pending = self._pending, []
         assert count == len(pending), (count, len(pending))
         if error.value:

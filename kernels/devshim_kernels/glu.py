@@ -8,9 +8,14 @@ the forward saves only ``x`` and the backward fills the two halves of ``dx`` in 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 
 from devshim_kernels._native import rowwise
+
+if TYPE_CHECKING:
+    import ctypes
 
 Tensor = torch.Tensor
 _aten = torch.ops.aten
@@ -32,7 +37,7 @@ def swiglu(x: Tensor) -> Tensor:
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor) -> Tensor:
         a, b = x.chunk(2, dim=-1)
         out = torch.empty(a.shape, dtype=x.dtype, device=x.device)
         _aten.silu.out(a, out=out)
@@ -42,7 +47,7 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> Tensor:
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
         (x,) = ctx.saved_tensors
         a, b = x.chunk(2, dim=-1)
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -58,21 +63,23 @@ class _NativeSwiGLU(torch.autograd.Function):
     """The same on ``_native/rowwise.c``: one pass forward (saving only ``x``), one backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor) -> Tensor:
         half = x.shape[-1] // 2
         rows = x.numel() // x.shape[-1] if half else 0
         out = torch.empty((*x.shape[:-1], half), dtype=x.dtype)
-        rowwise.LIBRARY.devshim_swiglu_forward(x.data_ptr(), out.data_ptr(), rows, half)
+        library = cast("ctypes.CDLL", rowwise.LIBRARY)  # not None: run only where rowwise.serves()
+        library.devshim_swiglu_forward(x.data_ptr(), out.data_ptr(), rows, half)
         ctx.save_for_backward(x)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> Tensor:
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
         (x,) = ctx.saved_tensors
         grad = grad.contiguous()
         dx = torch.empty_like(x)
         half = x.shape[-1] // 2
         rows = x.numel() // x.shape[-1] if half else 0
-        rowwise.LIBRARY.devshim_swiglu_backward(x.data_ptr(), grad.data_ptr(), dx.data_ptr(), rows, half)
+        library = cast("ctypes.CDLL", rowwise.LIBRARY)  # not None: run only where rowwise.serves()
+        library.devshim_swiglu_backward(x.data_ptr(), grad.data_ptr(), dx.data_ptr(), rows, half)
         return dx

@@ -9,9 +9,14 @@ cache and are recycled by malloc; the only large allocations are the output and 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 
 from devshim_kernels._native import rowwise
+
+if TYPE_CHECKING:
+    import ctypes
 
 Tensor = torch.Tensor
 _BLOCK_ELEMENTS = 1 << 18  # ~1 MiB of fp32 per temporary: fits L2, below the mmap threshold
@@ -51,7 +56,7 @@ def _block_rows(width: int) -> int:
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
         width = x.shape[-1]
         rows2d = x.reshape(-1, width)
         out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
@@ -76,7 +81,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         # y = w * x * r with r = (mean(x^2) + eps)^-1/2, g = dy * w:
         #   dx = r * (g - x * r^2 * mean(g * x)),   dw = sum over rows of dy * x * r
         rows2d, weight, rstd = ctx.saved_tensors
@@ -93,7 +98,8 @@ class _RMSNorm(torch.autograd.Function):
         for start in range(0, rows2d.shape[0], step):
             xf, dyf = rows2d[start:start + step].to(cdt), dy2d[start:start + step].to(cdt)
             rb = rstd[start:start + step]
-            buf = dx[start:start + step] if scratch is None else scratch[:xf.shape[0]]
+            # no scratch only where want_x, so dx is a tensor
+            buf = cast(Tensor, dx)[start:start + step] if scratch is None else scratch[:xf.shape[0]]
             torch.mul(dyf, xf, out=buf)
             if dw is not None:
                 dw.addmm_(rb.view(1, -1), buf)
@@ -108,7 +114,7 @@ class _RMSNorm(torch.autograd.Function):
                 torch.addcmul(dyf, xf, coeff, value=-1, out=buf)
             buf.mul_(rb)
             if scratch is not None:
-                dx[start:start + step].copy_(buf)
+                cast(Tensor, dx)[start:start + step].copy_(buf)  # want_x: a tensor
         grad_x = dx.view(grad.shape) if dx is not None else None
         grad_w = dw.view(width).to(weight.dtype) if dw is not None else None
         return grad_x, grad_w, None
@@ -118,25 +124,27 @@ class _NativeRMSNorm(torch.autograd.Function):
     """The same formula on ``_native/rowwise.c``: one pass per row forward, one backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
         width = x.shape[-1]
         rows = x.numel() // width if width else 0
         out = torch.empty_like(x)
         rstd = torch.empty(rows, dtype=torch.float32)
-        rowwise.LIBRARY.devshim_rms_norm_forward(x.data_ptr(), rowwise.address(weight), out.data_ptr(),
-                                                 rstd.data_ptr(), rows, width, eps)
+        library = cast("ctypes.CDLL", rowwise.LIBRARY)  # not None: run only where rowwise.serves()
+        library.devshim_rms_norm_forward(x.data_ptr(), rowwise.address(weight), out.data_ptr(),
+                                         rstd.data_ptr(), rows, width, eps)
         ctx.save_for_backward(x, weight, rstd)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, weight, rstd = ctx.saved_tensors
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and weight is not None
         grad = grad.contiguous()
         dx = torch.empty_like(x) if want_x else None
         dw = torch.zeros(x.shape[-1], dtype=torch.float32) if want_w else None
-        rowwise.LIBRARY.devshim_rms_norm_backward(x.data_ptr(), rowwise.address(weight), rstd.data_ptr(),
-                                                  grad.data_ptr(), rowwise.address(dx), rowwise.address(dw),
-                                                  rstd.numel(), x.shape[-1])
+        library = cast("ctypes.CDLL", rowwise.LIBRARY)  # not None: run only where rowwise.serves()
+        library.devshim_rms_norm_backward(x.data_ptr(), rowwise.address(weight), rstd.data_ptr(),
+                                          grad.data_ptr(), rowwise.address(dx), rowwise.address(dw),
+                                          rstd.numel(), x.shape[-1])
         return dx, dw, None

@@ -7,6 +7,8 @@ buffer, instead of autograd's negations, ``cat`` and sliced-gradient accumulatio
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from devshim_kernels.shapes import broadcasts_to
@@ -78,7 +80,7 @@ def _rotate_into(out: Tensor, src: Tensor, cos: Tensor, sin: Tensor, interleaved
 
 class _Rotary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
         out = torch.empty_like(x)
         _rotate_into(out, x, cos, sin, interleaved, +1)
         ctx.save_for_backward(cos, sin)
@@ -87,7 +89,7 @@ class _Rotary(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         cos, sin = ctx.saved_tensors
         dx = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
         _rotate_into(dx, grad, cos, sin, ctx.interleaved, -1)

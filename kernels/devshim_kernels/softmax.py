@@ -9,6 +9,8 @@ gradient is zero in both.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from devshim_kernels.shapes import broadcasts_to
@@ -58,7 +60,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _MaskedSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scores: Tensor, masked: Tensor | None, scale: float) -> Tensor:
+    def forward(ctx: Any, scores: Tensor, masked: Tensor | None, scale: float) -> Tensor:
         cdt = _compute_dtype(scores.dtype)
         # scaled in the compute dtype, as Megatron's unfused path (input.float() * scale) and its kernels do
         x = scores * scale if scores.dtype == cdt else scores.to(cdt).mul_(scale)
@@ -76,7 +78,7 @@ class _MaskedSoftmax(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         out, masked = ctx.saved_tensors
         cdt = _compute_dtype(out.dtype)
         dx = torch._softmax_backward_data(grad.to(cdt), out.to(cdt), -1, cdt).mul_(ctx.scale)

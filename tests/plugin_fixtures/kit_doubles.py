@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from devshim_core import AttentionKernels, DeviceReport, OptimizerKernels, hookimpl
+from devshim_core import DeviceReport, FusedKernels, OptimizerKernels, hookimpl
 from plugin_fixtures import FakePlugin
 
 one_device = FakePlugin(device_count=1, reason="a test double reporting one device, as a 1-GPU machine")
@@ -22,7 +22,7 @@ class _CudaKernelsOnHost(FakePlugin):
         return devshim_cuda.devshim_optimizer_kernels(report)
 
     @hookimpl
-    def devshim_attention_kernels(self, report: DeviceReport) -> AttentionKernels:
+    def devshim_attention_kernels(self, report: DeviceReport) -> FusedKernels:
         import devshim_cuda
 
         return devshim_cuda.devshim_attention_kernels(report)

@@ -52,7 +52,7 @@ def as_class(name: str, factory: Any) -> type:
 
     def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
         made = factory(*args, **kwargs)
-        cls.made.add(type(made))  # type: ignore[attr-defined]
+        cls.made.add(type(made))  # type: ignore[attr-defined]  # the set in the class dict below
         return made
 
     return _MadeBy(name, (), {"__new__": __new__, "made": set(), "__doc__": getattr(factory, "__doc__", None),
@@ -137,7 +137,7 @@ def replacements(d: Device, devices: DeviceMap) -> dict[str, Any]:
         "get_rng_state": get_rng_state,
         "set_rng_state": set_rng_state,
         "get_rng_state_all": lambda: [get_rng_state(i) for i in range(d.device_count())],
-        "set_rng_state_all": lambda states: [set_rng_state(s, i) for i, s in enumerate(states)] and None,
+        "set_rng_state_all": lambda states: [set_rng_state(s, i) for i, s in enumerate(states)] and None,  # type: ignore[func-returns-value]  # the list only makes the calls
         "Stream": as_class("Stream", d.Stream),  # both stream kinds read the index of a 'cuda:N' they are given
         "Event": as_class("Event", d.Event),
         "stream": d.stream,

@@ -6,6 +6,7 @@ by the registry. Functions that take no device are never wrapped: they cost exac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ def patch_set(device: Device) -> PatchSet:
     classes = typed_tensor_classes(devices)
     distributed = tuple(_BACKEND_POSITION)
 
-    def each(make: Any) -> Any:
+    def each(make: Callable[[str, Any], Any]) -> Any:
         return lambda originals, _device: swaps.record(
             originals, {n: make(n, o) for n, o in originals.items() if o is not None})
 

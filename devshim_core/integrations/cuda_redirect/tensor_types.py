@@ -54,7 +54,7 @@ def tensor_type(original: Callable[..., Any], devices: DeviceMap, classes: dict[
             if self.device.type == device_type:
                 return _CUDA_NAMES.get(self.dtype) or original(self)
             return original(self)
-        cls = by_name.get(dtype) if isinstance(dtype, str) else (dtype if dtype in classes.values() else None)
+        cls: Any = by_name.get(dtype) if isinstance(dtype, str) else (dtype if dtype in classes.values() else None)
         if cls is not None:
             # as CUDA's Tensor.type: a tensor already on the device keeps its index, others go to the current one
             target = self.device if self.device.type == device_type else devices.device.torch_device(

@@ -21,7 +21,7 @@ from devshim_core import import_hooks
 from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
 
 try:
-    from devshim_core.integrations.cuda_redirect import _native
+    from devshim_core.integrations.cuda_redirect import _native  # type: ignore[attr-defined]  # a C extension: mypy reads no .so
 except ImportError:  # installed without a C compiler (setup.py builds it optionally)
     _native = None
 
@@ -33,7 +33,7 @@ Wrapper = Callable[[Callable[..., Any], DeviceMap], Callable[..., Any]]
 
 def _marked(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
     functools.update_wrapper(wrapper, original)
-    wrapper.__devshim_original__ = original  # type: ignore[attr-defined]
+    wrapper.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return wrapper
 
 

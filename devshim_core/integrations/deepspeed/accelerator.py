@@ -66,8 +66,9 @@ class DevshimAccelerator(DeepSpeedAccelerator):
                      "reset_peak_memory_stats", "memory_reserved", "max_memory_reserved", "total_memory",
                      "available_memory"):
             setattr(self, name, getattr(device, name))
-        self.memory_cached = device.memory_reserved
-        self.max_memory_cached = device.max_memory_reserved
+        # bound over the methods below like those of the loop: DeepSpeed's call lands on the plugin's function
+        self.memory_cached = device.memory_reserved  # type: ignore[method-assign]  # bound as above
+        self.max_memory_cached = device.max_memory_reserved  # type: ignore[method-assign]  # bound as above
 
     # -- execution model ----------------------------------------------------------------------
     def is_synchronized_device(self) -> bool:

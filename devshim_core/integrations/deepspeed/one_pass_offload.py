@@ -88,5 +88,5 @@ def one_pass_step(original: Callable[..., Any], _device: Any) -> Callable[..., A
             op.param_copies = {}
             op.copies_written.clear()
 
-    step.__devshim_original__ = original  # type: ignore[attr-defined]
+    step.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return step

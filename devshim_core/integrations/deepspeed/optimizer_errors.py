@@ -39,5 +39,5 @@ def naming_the_group(method: Callable[..., Any]) -> Callable[..., Any]:
             raise KernelCallError(f"{type(self).__name__}.{method.__name__}: {locate(self, error.tensor)}: {error}",
                                   error.tensor, located=True) from error
 
-    call.__devshim_original__ = method  # type: ignore[attr-defined]
+    call.__devshim_original__ = method  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return call

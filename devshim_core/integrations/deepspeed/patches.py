@@ -56,7 +56,7 @@ def _deepspeed_namespaces() -> Iterator[dict[str, Any]]:
 def _stale_pairs(device: Device) -> list[tuple[Any, Any]]:
     """(old, new) for what ``import deepspeed`` bound from the accelerator it had before devshim's."""
     new = sys.modules[ACCELERATOR_MODULE].ds_accelerator
-    old = getattr(new, "_devshim_replaced", None)
+    old: Any = getattr(new, "_devshim_replaced", None)
     if old is None:
         return []
     pairs: list[tuple[Any, Any]] = []

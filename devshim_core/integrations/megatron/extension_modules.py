@@ -41,8 +41,8 @@ def _batch_invariant_standin() -> ModuleType:
         raise ConfigError("--batch-invariant-mode needs megatron-core's triton kernels, and triton is not installed "
                           "here: drop the flag.")
 
-    module.enable_batch_invariant_mode = enable_batch_invariant_mode  # type: ignore[attr-defined]
-    module.is_batch_invariant_mode_enabled = lambda: False  # type: ignore[attr-defined]
+    module.enable_batch_invariant_mode = enable_batch_invariant_mode  # type: ignore[attr-defined]  # a ModuleType built here
+    module.is_batch_invariant_mode_enabled = lambda: False  # type: ignore[attr-defined]  # a ModuleType built here
     return module
 
 
@@ -55,7 +55,7 @@ def _deepspeed_compression_compat() -> ModuleType:
         raise ConfigError("compression training (\"compression_training\" in the DeepSpeed config) was removed in "
                           "DeepSpeed 0.19; remove it from the config or use DeepSpeed < 0.19.")
 
-    module.init_compression = module.redundancy_clean = unavailable  # type: ignore[attr-defined]
+    module.init_compression = module.redundancy_clean = unavailable  # type: ignore[attr-defined]  # a ModuleType built here
     return module
 
 

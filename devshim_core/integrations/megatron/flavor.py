@@ -26,7 +26,7 @@ class ImportedMegatronCore(Requirement):
         info = sys.modules.get("megatron.core.package_info")
         if info is None:
             try:
-                from megatron.core import package_info as info  # type: ignore[no-redef]
+                from megatron.core import package_info as info  # type: ignore[no-redef]  # info again: the module, now imported
             except ImportError:
                 return None
         return getattr(info, "__version__", None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -59,7 +59,7 @@ def device_fused_adam(device: Device) -> type[torch.optim.Adam] | None:
     class FusedAdam(_KernelAdam):
         __doc__ = (f"apex's ``FusedAdam`` signature on devshim's {device.plugin} plugin "
                    f"(``device.optimizer.fused_adamw``); otherwise a ``torch.optim.Adam``.")
-        _kernel = staticmethod(kernel)
+        _kernel = staticmethod(cast("FusedAdamW", kernel))  # not None (above): mypy does not carry it in here
 
     FusedAdam.__qualname__ = FusedAdam.__name__
     return FusedAdam

@@ -10,12 +10,15 @@ Nothing is imported from Megatron until a patch is applied.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 
+from devshim_core import log
 from devshim_core.patching import Patch, RebindReferences, SetAttribute, SetAttributes
+
+_log = log.logger("kernels")  # DEVSHIM_LOG_LEVEL=debug: which path each call takes
 
 if TYPE_CHECKING:
     from devshim_core.device import Device
@@ -87,7 +90,7 @@ def _attention_forward(original: Callable[..., Tensor], device: Device) -> Calla
     from megatron.core import tensor_parallel
     from megatron.core.transformer.enums import AttnMaskType
 
-    kernel = device.attention.attention
+    kernel = cast("Callable[..., Tensor]", device.attention.attention)  # not None: patched only then
 
     def forward(self: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type: Any = None, attention_bias: Tensor | None = None,
@@ -101,8 +104,11 @@ def _attention_forward(original: Callable[..., Tensor], device: Device) -> Calla
                 or self.softmax_offset is not None or softmax.window_size is not None
                 or (attention_mask is not None and attention_mask.dtype != torch.bool)
                 or (causal and sq != sk)):
+            _log.debug("attention [sq %d, sk %d]: Megatron's own (a bias, packed sequences, an offset, a window, a "
+                       "float mask or a non-square causal mask)", sq, sk)
             return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        _log.debug("attention [sq %d, sk %d]: the %s plugin's kernel, causal=%s", sq, sk, device.plugin, causal)
         # Megatron scales the scores twice: by softmax_scale (already divided by the layer number under
         # apply_query_key_layer_scaling) in the matmul, then by that layer number again in the softmax
         scale = self.softmax_scale * (softmax.scale if softmax.scale is not None else 1.0)
@@ -168,7 +174,7 @@ class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
 
 def _norm_new(original: Any, device: Device) -> staticmethod:
     original_new = original.__func__ if isinstance(original, staticmethod) else original
-    kernel = device.attention.rms_norm
+    kernel = cast("Callable[..., Tensor]", device.attention.rms_norm)  # not None: patched only then
 
     def __new__(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm") -> torch.nn.Module:
@@ -184,7 +190,7 @@ def _norm_new(original: Any, device: Device) -> staticmethod:
         else:
             norm = ZeroCenteredLayerNorm(hidden_size, eps) if centred else torch.nn.LayerNorm(hidden_size, eps=eps)
         for param in norm.parameters():  # Megatron all-reduces these grads across TP ranks, as for TE/apex norms
-            param.sequence_parallel = bool(config.sequence_parallel)
+            param.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]  # Megatron's marker on params
         return norm
 
     return staticmethod(__new__)
@@ -194,11 +200,12 @@ def _norm_new(original: Any, device: Device) -> staticmethod:
 
 
 def _bias_swiglu_impl(original: Callable[..., Tensor], device: Device) -> Callable[..., Tensor]:
-    kernel = device.attention.swiglu
+    kernel = cast("Callable[..., Tensor]", device.attention.swiglu)  # not None: patched only then
 
     def bias_swiglu_impl(input: Tensor, bias: Tensor | None, fp8_input_store: bool = False,
                          cpu_offload_input: bool = False) -> Tensor:
         if fp8_input_store or cpu_offload_input:  # how Megatron's own Functions store their input for backward
+            _log.debug("swiglu: Megatron's own (fp8 input store or CPU offload of its input)")
             return original(input, bias, fp8_input_store, cpu_offload_input)
         return kernel(input if bias is None else input + bias)
 
@@ -209,11 +216,13 @@ def _bias_swiglu_impl(original: Callable[..., Tensor], device: Device) -> Callab
 
 
 def _rotary_bshd(original: Callable[..., Tensor], device: Device) -> Callable[..., Tensor]:
-    kernel = device.attention.rotary
+    kernel = cast("Callable[..., Tensor]", device.attention.rotary)  # not None: patched only then
 
     def _apply_rotary_pos_emb_bshd(t: Tensor, freqs: Tensor, rotary_interleaved: bool = False,
                                    multi_latent_attention: bool = False, mscale: float = 1.0) -> Tensor:
         if multi_latent_attention or not _rotates(t, freqs):  # MLA de-interleaves t first: Megatron's own
+            _log.debug("rotary %s: Megatron's own (multi-latent attention, or freqs that do not broadcast)",
+                       tuple(t.shape))
             return original(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
         cos, sin = torch.cos(freqs), torch.sin(freqs)
         if mscale != 1.0:
@@ -271,7 +280,7 @@ def _fused_rope(originals: dict[str, Any], device: Device) -> dict[str, Any]:
 def _softmax_methods(originals: dict[str, Any], device: Device) -> dict[str, Any]:
     from megatron.core.transformer.enums import AttnMaskType
 
-    kernel = device.attention.masked_softmax
+    kernel = cast("Callable[..., Tensor]", device.attention.masked_softmax)  # not None: patched only then
 
     def is_kernel_available(self: Any, mask: Tensor | None, b: int, np: int, sq: int, sk: int) -> bool:
         # the CUDA kernels' shape limits (sk <= 4096, multiples of 4) do not apply; sliding windows do not fuse

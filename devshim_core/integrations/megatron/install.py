@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from devshim_core import import_hooks
 from devshim_core.device import Device
@@ -13,6 +14,10 @@ from devshim_core.integrations.base import Status
 from devshim_core.integrations.megatron import flavor
 from devshim_core.integrations.megatron.patches import EXTENSION_MODULES, core_patch_set
 from devshim_core.patching import REGISTRY
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import ModuleType
 
 CORE = "megatron.core"
 JIT = "megatron.core.jit"
@@ -75,7 +80,10 @@ def _install(device: Device, status: Status) -> str:
                          f"{flavor.MEGATRON_CORE.spec}, or set DEVSHIM_PATCH_MEGATRON=0 to run without it.")
     hooks = ((JIT, _on_jit_imported), (CORE, _on_core_imported), (TRAINING, _on_training_imported))
     for name, callback in hooks:
-        import_hooks.after_import(name, lambda module, callback=callback: callback(device, status))
+        def hook(module: ModuleType, callback: Callable[[Device, Status], None] = callback) -> None:
+            callback(device, status)
+
+        import_hooks.after_import(name, hook)
     if imported_first:
         if flavor.is_megatron_deepspeed():
             return "Megatron-DeepSpeed recognised: no megatron-core patches"

@@ -56,7 +56,7 @@ def _checkpoint_init(original: Any, device: Device) -> Any:
         if not random.HAVE_TE:  # 0.16.1 sets fp8 = (fp8 is not None): True for fp8=False, then needs TE
             self.fp8 = bool(fp8)
 
-    __init__.__devshim_original__ = original  # type: ignore[attr-defined]
+    __init__.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return __init__
 
 
@@ -68,7 +68,7 @@ def _te_min_version(original: Any, device: Device) -> Any:
             return False
         return original(version, check_equality)
 
-    is_te_min_version.__devshim_original__ = original  # type: ignore[attr-defined]
+    is_te_min_version.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return is_te_min_version
 
 
@@ -81,7 +81,7 @@ def _move_to_host(original: Any, device: Device) -> Any:
             tensor.record_stream(device.current_stream())
         return host.numpy() if as_numpy else host
 
-    maybe_move_tensor_to_cpu.__devshim_original__ = original  # type: ignore[attr-defined]
+    maybe_move_tensor_to_cpu.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return maybe_move_tensor_to_cpu
 
 
@@ -94,7 +94,7 @@ def _load_ready_sharded_state_dict(original: Any, device: Device) -> Any:
             self._init_optimizer_states_with_dummy_values()  # replaced in place by the load
         return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
 
-    sharded_state_dict.__devshim_original__ = original  # type: ignore[attr-defined]
+    sharded_state_dict.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return sharded_state_dict
 
 
@@ -113,7 +113,7 @@ def _checkpoint_steps(original: Any, device: Device) -> Any:
                     state["step"] = torch.tensor(float(value), dtype=step.dtype, device=step.device)
         return result
 
-    load_state_dict.__devshim_original__ = original  # type: ignore[attr-defined]
+    load_state_dict.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return load_state_dict
 
 

@@ -31,5 +31,5 @@ def batched_p2p_ops(original: Callable[..., Any], device: Any) -> Callable[..., 
         ops = [dist.P2POp(op, tensor, peer, group, tag) for tensor, op, peer, tag in planned if tensor is not None]
         return dist.batch_isend_irecv(ops) if ops else []
 
-    _batched_p2p_ops.__devshim_original__ = original  # type: ignore[attr-defined]
+    _batched_p2p_ops.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return _batched_p2p_ops

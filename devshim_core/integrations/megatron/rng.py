@@ -38,7 +38,7 @@ def get_state(original: Callable[..., Any], facade: Device) -> Callable[..., Any
         state = facade.get_rng_state(facade.torch_device(_index(facade, device)))
         return state.clone() if clone else state
 
-    _get_cuda_rng_state.__devshim_original__ = original  # type: ignore[attr-defined]
+    _get_cuda_rng_state.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return _get_cuda_rng_state
 
 
@@ -48,5 +48,5 @@ def set_state(original: Callable[..., Any], facade: Device) -> Callable[..., Any
             _refuse_graph_safe()
         facade.set_rng_state(new_state, facade.torch_device(_index(facade, device)))
 
-    _set_cuda_rng_state.__devshim_original__ = original  # type: ignore[attr-defined]
+    _set_cuda_rng_state.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return _set_cuda_rng_state

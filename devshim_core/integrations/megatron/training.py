@@ -50,7 +50,7 @@ def _validate_args(original: Callable[..., Any], device: Device) -> Callable[...
                       flush=True)
         return original(args, defaults or {})
 
-    validate_args.__devshim_original__ = original  # type: ignore[attr-defined]
+    validate_args.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return validate_args
 
 
@@ -63,7 +63,7 @@ def _compile_dependencies(original: Callable[..., Any], device: Device) -> Calla
 
             compile_helpers()
 
-    _compile_dependencies.__devshim_original__ = original  # type: ignore[attr-defined]
+    _compile_dependencies.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return _compile_dependencies
 
 
@@ -71,7 +71,7 @@ def _skip_jit_warmup(original: Callable[..., Any], device: Device) -> Callable[.
     def _warmup_jit_function() -> None:
         return None  # warms CUDA fusers for CUDA dtypes; off CUDA the fused functions compile on first use
 
-    _warmup_jit_function.__devshim_original__ = original  # type: ignore[attr-defined]
+    _warmup_jit_function.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return _warmup_jit_function
 
 

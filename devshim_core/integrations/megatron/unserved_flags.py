@@ -46,5 +46,5 @@ def checked_post_init(original: Callable[..., Any], device_type: str) -> Callabl
         refuse_unserved(self, device_type)
         original(self)
 
-    __post_init__.__devshim_original__ = original  # type: ignore[attr-defined]
+    __post_init__.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return __post_init__

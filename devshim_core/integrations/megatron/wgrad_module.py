@@ -30,7 +30,7 @@ def make_module(device: Device) -> types.ModuleType:
         def accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
             raise RuntimeError(
                 f"gradient_accumulation_fusion=True needs a weight-gradient accumulation kernel, and devshim's "
-                f"{device.plugin} plugin provides none (its AttentionKernels.wgrad_accumulate is None): set "
+                f"{device.plugin} plugin provides none (its FusedKernels.wgrad_accumulate is None): set "
                 "gradient_accumulation_fusion=False (Megatron-LM: --no-gradient-accumulation-fusion)")
     else:
         def accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:

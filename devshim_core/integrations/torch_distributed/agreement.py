@@ -58,7 +58,7 @@ def _checked(original: Callable[..., Any], device: Device) -> Callable[..., Any]
         check_same_plugin(device)
         return result
 
-    init_process_group.__devshim_original__ = original  # type: ignore[attr-defined]
+    init_process_group.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return init_process_group
 
 

@@ -26,7 +26,7 @@ def _with_plugin_kwargs(original: Callable[..., Any], device: Device) -> Callabl
                 kwargs.setdefault(key, value)
         return original(backend, *args, **kwargs)
 
-    init_process_group.__devshim_original__ = original  # type: ignore[attr-defined]
+    init_process_group.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return init_process_group
 
 

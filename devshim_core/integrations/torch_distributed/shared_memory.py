@@ -230,7 +230,7 @@ def _all_reduce(original: Callable[..., Any], device: Device) -> Callable[..., A
             return None
         return original(tensor, op=op, group=group, async_op=async_op)
 
-    all_reduce.__devshim_original__ = original  # type: ignore[attr-defined]
+    all_reduce.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return all_reduce
 
 
@@ -243,7 +243,7 @@ def _all_gather_into_tensor(original: Callable[..., Any], device: Device) -> Cal
             return None
         return original(output_tensor, input_tensor, group=group, async_op=async_op)
 
-    all_gather_into_tensor.__devshim_original__ = original  # type: ignore[attr-defined]
+    all_gather_into_tensor.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return all_gather_into_tensor
 
 
@@ -258,7 +258,7 @@ def _reduce_scatter_tensor(original: Callable[..., Any], device: Device) -> Call
             return None
         return original(output, input, op=op, group=group, async_op=async_op)
 
-    reduce_scatter_tensor.__devshim_original__ = original  # type: ignore[attr-defined]
+    reduce_scatter_tensor.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return reduce_scatter_tensor
 
 

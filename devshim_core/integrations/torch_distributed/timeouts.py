@@ -61,13 +61,14 @@ def named(original: Callable[..., Any], name: str) -> Callable[..., Any]:
         except RuntimeError as exc:
             if not is_timeout(exc):
                 raise
-            backend = getattr(exc, "__devshim_backend_error__", exc)  # named already by a collective inside
+            # named already by a collective inside
+            backend: RuntimeError = getattr(exc, "__devshim_backend_error__", exc)
             named_exc = type(backend)(f"torch.distributed.{name} timed out on {_where(kwargs.get('group'))}: a "
                                       f"rank did not reach this {name}. {HOW_TO_SET}. The backend said: {backend}")
-            named_exc.__devshim_backend_error__ = backend  # type: ignore[attr-defined]
+            named_exc.__devshim_backend_error__ = backend  # type: ignore[attr-defined]  # devshim's marker, read above
             raise named_exc from backend
 
-    collective.__devshim_original__ = original  # type: ignore[attr-defined]
+    collective.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return collective
 
 

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     out = Path(parser.parse_args().out)
-    facade = session.current().device  # the plugin under test, as devshim_core.auto selected it
+    # the plugin under test, as devshim_core.auto selected it (so a session is active)
+    facade = cast(session.Session, session.current()).device
     local_rank = int(os.environ["LOCAL_RANK"])
     facade.set_device(local_rank)
     device = facade.torch_device(local_rank)
@@ -77,7 +79,7 @@ def main() -> None:
         expected.backward()
         with torch.no_grad():
             for param in (up.weight, down.weight, w_up, w_down):
-                param -= LR * param.grad
+                param -= LR * cast(torch.Tensor, param.grad)  # set by the backward above
                 param.grad = None
         losses.append(loss.item())
         reference.append(expected.item())
@@ -85,7 +87,7 @@ def main() -> None:
     final = {"up": (gathered(up.weight.detach(), 0) - w_up.detach()).abs().max().item(),
              "down": (gathered(down.weight.detach(), 1) - w_down.detach()).abs().max().item()}
     report = {"rank": dist.get_rank(), "local_rank": local_rank, "plugin": facade.plugin,
-              "megatron_integration": session.current().integrations.get("megatron"),
+              "megatron_integration": cast(session.Session, session.current()).integrations.get("megatron"),
               "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
               "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
               "weight_device": str(up.weight.device), "shard_shapes": [list(up.weight.shape), list(down.weight.shape)],

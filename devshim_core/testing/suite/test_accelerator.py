@@ -260,7 +260,12 @@ def check_ranges(acc: Any, dev: Any) -> None:
 
 def check_lazy_call(acc: Any, dev: Any) -> None:
     calls: list[str] = []
-    assert acc.lazy_call(lambda: calls.append("called") or "result") == "result" and calls == ["called"]
+
+    def call() -> str:
+        calls.append("called")
+        return "result"
+
+    assert acc.lazy_call(call) == "result" and calls == ["called"]
 
 
 def check_communication_backend_name(acc: Any, dev: Any) -> None:

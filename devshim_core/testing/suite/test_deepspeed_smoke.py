@@ -45,8 +45,12 @@ def test_the_losses_and_final_parameters_match_one_host_process(ranks: list[dict
     losses, params = reference(world=2)
     for rank, report in enumerate(ranks):
         expected = [step[rank] for step in losses]
+
+        def differ(m: str, rank: int = rank) -> str:
+            return f"rank {rank}'s losses differ from the host's: {m}"
+
         torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(expected), rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, rank=rank: f"rank {rank}'s losses differ from the host's: {m}")
+                                   msg=differ)
     assert len(ranks[0]["params"]) == len(params)
     for got, want in zip(ranks[0]["params"], params, strict=True):
         torch.testing.assert_close(torch.tensor(got), want, rtol=RTOL, atol=ATOL)

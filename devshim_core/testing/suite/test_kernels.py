@@ -16,7 +16,7 @@ import torch
 
 dk = pytest.importorskip("devshim_kernels", reason="the kernel conformance compares against devshim_kernels")
 
-from devshim_core.testing.compare import TOL, close, conform  # noqa: E402
+from devshim_core.testing.compare import TOL, Tolerance, close, conform  # noqa: E402
 
 Tensor = torch.Tensor
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -235,7 +235,7 @@ def test_fused_adamw_matches_the_reference_over_five_steps(devshim_device: Any, 
         kwargs["grad_dtype"] = torch.bfloat16
     if variant == "bf16_params":
         kwargs["dtype"] = torch.bfloat16
-    tol = TOL[torch.bfloat16] if variant == "bf16_params" else {"atol": 1e-6, "rtol": 1e-5}
+    tol: Tolerance = TOL[torch.bfloat16] if variant == "bf16_params" else {"atol": 1e-6, "rtol": 1e-5}
     actual = _run_fused(fused, 5, device_type, **kwargs)
     expected = _run_fused(dk.fused_adamw, 5, "cpu", **kwargs)
     for got, want in zip(actual, expected, strict=True):

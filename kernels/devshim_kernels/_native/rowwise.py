@@ -7,6 +7,7 @@ Loaded with ctypes (which releases the GIL for each call). If the library was no
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import torch
 
@@ -35,6 +36,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 
 LIBRARY, REASON = _load()
+_log = logging.getLogger("devshim.kernels")  # a child of devshim's logger: its handler and DEVSHIM_LOG_LEVEL apply
 
 
 def serves(*tensors: torch.Tensor | None) -> bool:
@@ -42,9 +44,13 @@ def serves(*tensors: torch.Tensor | None) -> bool:
     operands), in a process whose torch runs one thread or for a size torch would run on one thread anyway, and
     ``DEVSHIM_KERNELS_NATIVE`` does not turn them off."""
     present = [t for t in tensors if t is not None]
-    return (LIBRARY is not None and not switched_off()
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in present)
-            and (torch.get_num_threads() == 1 or max(t.numel() for t in present) <= SINGLE_THREAD_NUMEL))
+    served = (LIBRARY is not None and not switched_off()
+              and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in present)
+              and (torch.get_num_threads() == 1 or max(t.numel() for t in present) <= SINGLE_THREAD_NUMEL))
+    if _log.isEnabledFor(logging.DEBUG):  # DEVSHIM_LOG_LEVEL=debug: every dispatch decision
+        _log.debug("row-wise kernel for %s %s: %s", present[0].dtype if present else "-",
+                   tuple(present[0].shape) if present else (), "native" if served else "PyTorch")
+    return served
 
 
 def address(tensor: torch.Tensor | None) -> int | None:

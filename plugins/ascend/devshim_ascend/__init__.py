@@ -19,10 +19,10 @@ from devshim_ascend import allocator
 from devshim_ascend.detect import detect
 from devshim_core import (
     AllocatorSpec,
-    AttentionKernels,
     CollectivesSpec,
     DeviceReport,
     DeviceTraits,
+    FusedKernels,
     OptimizerKernels,
     hookimpl,
 )
@@ -33,7 +33,7 @@ VISIBLE_DEVICES = "ASCEND_RT_VISIBLE_DEVICES"
 
 def _npu() -> Any:
     importlib.import_module("torch_npu")  # registers torch.npu and the hccl backend
-    return torch.npu
+    return torch.npu  # type: ignore[attr-defined]  # registered by torch_npu's import, just above
 
 
 @hookimpl
@@ -82,7 +82,7 @@ def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels:
 
 
 @hookimpl
-def devshim_attention_kernels(report: DeviceReport) -> AttentionKernels:
+def devshim_attention_kernels(report: DeviceReport) -> FusedKernels:
     from devshim_ascend import kernels
 
     return kernels.attention_kernels()

@@ -107,8 +107,8 @@ def detect() -> Found:
     except (ImportError, OSError, RuntimeError) as exc:
         return Found(False, _load_failure(exc, cann))
     try:
-        available = torch.npu.is_available()
-        count = torch.npu.device_count() if available else 0
+        available = torch.npu.is_available()  # type: ignore[attr-defined]  # registered by torch_npu
+        count = torch.npu.device_count() if available else 0  # type: ignore[attr-defined]  # registered by torch_npu
     except (RuntimeError, AttributeError) as exc:
         return Found(False, f"torch_npu loaded (CANN at {cann}) but asking it for NPUs failed: "
                             f"{type(exc).__name__}: {exc}; check the Ascend driver and firmware (npu-smi info)")

@@ -11,13 +11,16 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import devshim_kernels as dk
 import torch
 import torch_npu
 
-from devshim_core import AttentionKernels, OptimizerKernels, host_defaults
+from devshim_core import FusedKernels, OptimizerKernels, host_defaults
+
+if TYPE_CHECKING:
+    from devshim_kernels.attention import CausalAlignment
 
 Tensor = torch.Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -58,7 +61,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, layout: str, num_heads: int | 
     reference = functools.partial(
         dk.attention, q, k, v, layout=layout, num_heads=num_heads, attn_mask=attn_mask,
         mask_true_means_masked=mask_true_means_masked, causal=causal, dropout_p=dropout_p, scale=scale,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, causal_alignment=causal_alignment)
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+        causal_alignment=cast("CausalAlignment", causal_alignment))  # any other: passed on, for dk.attention to refuse
     if (layout not in dk.LAYOUTS or q.dtype not in _FLOATS or not q.dtype == k.dtype == v.dtype
             or (attn_mask is not None and (attn_mask.is_floating_point() or layout == "TND" or attn_mask.dim() > 4))
             or causal_alignment not in ("top_left", "bottom_right") or not 0.0 <= dropout_p < 1.0):
@@ -150,8 +154,9 @@ def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
             # the kernel multiplies the powers by beta once more: step t passes beta**(t-1)
             torch_npu.npu_apply_adam_w(beta1 ** (step - 1), beta2 ** (step - 1), lr, weight_decay, beta1, beta2, eps,
                                        g, None, False, False, out=(p, m, v))
-            if param_copies is not None and param_copies[i] is not None:
-                param_copies[i].copy_(p)
+            copy = param_copies[i] if param_copies is not None else None
+            if copy is not None:
+                copy.copy_(p)
     if rest:
         dk.fused_adamw([params[i] for i in rest], [grads[i] for i in rest], [exp_avgs[i] for i in rest],
                        [exp_avg_sqs[i] for i in rest], step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -160,10 +165,10 @@ def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
                        param_copies=None if param_copies is None else [param_copies[i] for i in rest])
 
 
-def attention_kernels() -> AttentionKernels:
+def attention_kernels() -> FusedKernels:
     # torch_npu (as emulated here) has no scaled-masked-softmax or weight-gradient-accumulation op: devshim's run
     # on the NPU as ordinary torch ops
-    return AttentionKernels(
+    return FusedKernels(
         attention=attention, rms_norm=rms_norm, swiglu=swiglu, rotary=rotary, masked_softmax=dk.masked_softmax,
         wgrad_accumulate=dk.wgrad_accumulate,
         source="torch_npu: npu_fusion_attention, npu_rms_norm, npu_swiglu, npu_rotary_mul; devshim_kernels for "

@@ -13,10 +13,10 @@ import torch
 
 from devshim_core import (
     AllocatorSpec,
-    AttentionKernels,
     CollectivesSpec,
     DeviceReport,
     DeviceTraits,
+    FusedKernels,
     OptimizerKernels,
     hookimpl,
     host_defaults,
@@ -69,8 +69,8 @@ def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels:
 
 
 @hookimpl
-def devshim_attention_kernels(report: DeviceReport) -> AttentionKernels:
-    return AttentionKernels(attention=devshim_kernels.attention, rms_norm=devshim_kernels.rms_norm,
+def devshim_attention_kernels(report: DeviceReport) -> FusedKernels:
+    return FusedKernels(attention=devshim_kernels.attention, rms_norm=devshim_kernels.rms_norm,
                             swiglu=devshim_kernels.swiglu, rotary=devshim_kernels.rotary,
                             masked_softmax=devshim_kernels.masked_softmax,
                             wgrad_accumulate=devshim_kernels.wgrad_accumulate, source="devshim_kernels")

@@ -20,10 +20,10 @@ import torch
 
 from devshim_core import (
     AllocatorSpec,
-    AttentionKernels,
     CollectivesSpec,
     DeviceReport,
     DeviceTraits,
+    FusedKernels,
     OptimizerKernels,
     hookimpl,
     host_defaults,
@@ -83,10 +83,10 @@ def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels:
 
 
 @hookimpl
-def devshim_attention_kernels(report: DeviceReport) -> AttentionKernels:
+def devshim_attention_kernels(report: DeviceReport) -> FusedKernels:
     from devshim_cuda import kernels
 
-    return AttentionKernels(
+    return FusedKernels(
         attention=kernels.attention, rms_norm=kernels.rms_norm, swiglu=kernels.swiglu, rotary=kernels.rotary,
         masked_softmax=kernels.masked_softmax, wgrad_accumulate=kernels.wgrad_accumulate,
         source="torch (devshim_cuda.kernels): F.scaled_dot_product_attention, F.rms_norm, F.silu and plain tensor ops")

@@ -1,4 +1,4 @@
-"""The cuda plugin's attention and fused ops: devshim's conventions (``devshim_core.records.AttentionKernels``) on
+"""The cuda plugin's attention and fused ops: devshim's conventions (``devshim_core.records.FusedKernels``) on
 torch's own implementations, ``F.scaled_dot_product_attention``, ``F.rms_norm``, ``F.silu`` and plain tensor ops.
 
 Independent of ``devshim_kernels``' compute (the conformance kit compares the two): only its layout views
@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -283,7 +283,7 @@ def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
     if step < 1:
         raise ValueError(f"step must be >= 1 (the number of this update), got {step}")
     count = len(params)
-    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    lists: dict[str, Sequence[Tensor | None]] = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if max_exp_avg_sqs is not None:
         lists["max_exp_avg_sqs"] = max_exp_avg_sqs
     if param_copies is not None:
@@ -291,7 +291,7 @@ def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
     for name, values in lists.items():
         if len(values) != count:
             raise ValueError(f"{len(values)} {name} for {count} params")
-    maxima = list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else [None] * count
+    maxima: list[Tensor | None] = list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else [None] * count
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     written: list[int] = []
     for i in range(count):
@@ -316,7 +316,8 @@ def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
         for (device, _), members in groups.items():
             step_tensor = torch.full((), float(step), dtype=torch.float32, device=device)
             kernel([params[i] for i in members], [grads[i] for i in members], [exp_avgs[i] for i in members],
-                   [exp_avg_sqs[i] for i in members], [maxima[i] for i in members] if amsgrad else [],
+                   [exp_avg_sqs[i] for i in members],
+                   cast("list[Tensor]", [maxima[i] for i in members]) if amsgrad else [],  # tensors where amsgrad
                    [step_tensor] * len(members), lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                    amsgrad=amsgrad, maximize=False)
         if param_copies is not None:

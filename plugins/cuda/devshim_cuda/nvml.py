@@ -16,7 +16,7 @@ SUCCESS = 0  # NVML_SUCCESS
 
 
 class GPU(NamedTuple):
-    index: int  # NVML's index: PCI bus order
+    index: int  # type: ignore[assignment]  # NVML's index, in PCI bus order: shadows tuple.index, never called
     name: str  # "NVIDIA H100 80GB HBM3"; "" where NVML did not say
     uuid: str  # "GPU-5a1b..."; "" where NVML did not say
     capability: tuple[int, int] | None  # CUDA compute capability, (9, 0); None where NVML did not say

@@ -98,10 +98,10 @@ def _cuda() -> Traits:
             return got
     gpus = nvml.gpus()
     candidates = first_visible(gpus) if gpus else []
-    if len(candidates) == 1 and candidates[0].capability is not None:
+    if len(candidates) == 1 and (capability := candidates[0].capability) is not None:
         gpu = candidates[0]
-        return Traits(gpu.capability[0] >= NATIVE_BF16_MAJOR, gpu.name,
-                      f"NVML: GPU {gpu.index}, compute capability {gpu.capability[0]}.{gpu.capability[1]}")
+        return Traits(capability[0] >= NATIVE_BF16_MAJOR, gpu.name,
+                      f"NVML: GPU {gpu.index}, compute capability {capability[0]}.{capability[1]}")
     if detect.runtime_counted():
         got = _cuda_from_torch("detection had already initialised the driver")
         if got is not None:

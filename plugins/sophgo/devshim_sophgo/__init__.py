@@ -18,10 +18,10 @@ import torch
 
 from devshim_core import (
     AllocatorSpec,
-    AttentionKernels,
     CollectivesSpec,
     DeviceReport,
     DeviceTraits,
+    FusedKernels,
     OptimizerKernels,
     hookimpl,
 )
@@ -34,7 +34,7 @@ VISIBLE_DEVICES = "TPU_VISIBLE_DEVICES"
 
 def _tpu() -> Any:
     importlib.import_module("torch_tpu")  # registers torch.tpu, the sccl backend and torch.ops.my_ops
-    return torch.tpu
+    return torch.tpu  # type: ignore[attr-defined]  # registered by torch_tpu's import, just above
 
 
 def chip() -> str:
@@ -94,7 +94,7 @@ def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels:
 
 
 @hookimpl
-def devshim_attention_kernels(report: DeviceReport) -> AttentionKernels:
+def devshim_attention_kernels(report: DeviceReport) -> FusedKernels:
     from devshim_sophgo import kernels
 
     return kernels.attention_kernels()

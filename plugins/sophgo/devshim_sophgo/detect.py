@@ -32,8 +32,9 @@ def _vendors_from_metadata() -> set[str]:
             meta = metadata.metadata(dist_name)
         except metadata.PackageNotFoundError:
             continue
-        text = " ".join(str(v) for k, v in meta.items() if k in ("Author", "Author-email", "Home-page",
-                                                                  "Project-URL", "Summary")).lower()
+        # the PackageMetadata protocol declares no items(); what metadata() returns is an email.message.Message
+        text = " ".join(str(v) for k, v in meta.items()  # type: ignore[attr-defined]  # a Message: see above
+                        if k in ("Author", "Author-email", "Home-page", "Project-URL", "Summary")).lower()
         requires = " ".join(metadata.requires(dist_name) or []).lower()
         if "sophgo" in text:
             vendors.add("sophgo")
@@ -127,8 +128,8 @@ def detect() -> Found:
     chip = os.environ.get("CHIP_ARCH", "").strip().lower() or chip  # torch_tpu sets it when it chose the chip
     on = f" on {chip}" if chip else ""
     try:
-        available = torch.tpu.is_available()
-        count = torch.tpu.device_count() if available else 0
+        available = torch.tpu.is_available()  # type: ignore[attr-defined]  # registered by torch_tpu
+        count = torch.tpu.device_count() if available else 0  # type: ignore[attr-defined]  # registered by torch_tpu
     except (RuntimeError, AttributeError) as exc:
         return Found(False, f"Sophgo's torch_tpu loaded{on} but asking it for TPUs failed: {type(exc).__name__}: "
                             f"{exc}; check the Sophgo driver and CHIP_ARCH", chip=chip)

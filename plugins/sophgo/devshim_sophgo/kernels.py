@@ -11,12 +11,12 @@ so those are ``devshim_kernels``'. The fused Adam is PyTorch's ``_fused_adamw_``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import devshim_kernels as dk
 import torch
 
-from devshim_core import AttentionKernels, OptimizerKernels, host_defaults
+from devshim_core import FusedKernels, OptimizerKernels, host_defaults
 
 Tensor = torch.Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -74,7 +74,7 @@ def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
     if step < 1:
         raise ValueError(f"step must be >= 1 (the number of this update), got {step}")
     amsgrad = max_exp_avg_sqs is not None
-    maxima = list(max_exp_avg_sqs) if amsgrad else [None] * len(params)
+    maxima: list[Tensor | None] = list(max_exp_avg_sqs) if max_exp_avg_sqs is not None else [None] * len(params)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     rest: list[int] = []
     for i, entry in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, maxima, strict=True)):
@@ -87,22 +87,25 @@ def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
         for (device, _), idx in groups.items():
             step_t = torch.tensor(float(step), dtype=torch.float32, device=device)  # fp32: int64 is not on the TPU
             kernel([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                   [exp_avg_sqs[i] for i in idx], [maxima[i] for i in idx] if amsgrad else [], [step_t] * len(idx),
+                   [exp_avg_sqs[i] for i in idx],
+                   cast("list[Tensor]", [maxima[i] for i in idx]) if amsgrad else [],  # tensors where amsgrad
+                   [step_t] * len(idx),
                    lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
                    maximize=False)
             for i in idx:
-                if param_copies is not None and param_copies[i] is not None:
-                    param_copies[i].copy_(params[i])
+                copy = param_copies[i] if param_copies is not None else None
+                if copy is not None:
+                    copy.copy_(params[i])
     if rest:
         dk.fused_adamw([params[i] for i in rest], [grads[i] for i in rest], [exp_avgs[i] for i in rest],
                        [exp_avg_sqs[i] for i in rest], step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                        weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bias_correction,
-                       max_exp_avg_sqs=[maxima[i] for i in rest] if amsgrad else None,
+                       max_exp_avg_sqs=cast("list[Tensor]", [maxima[i] for i in rest]) if amsgrad else None,  # as above
                        param_copies=None if param_copies is None else [param_copies[i] for i in rest])
 
 
-def attention_kernels() -> AttentionKernels:
-    return AttentionKernels(
+def attention_kernels() -> FusedKernels:
+    return FusedKernels(
         attention=dk.attention, rms_norm=rms_norm, swiglu=dk.swiglu, rotary=dk.rotary,
         masked_softmax=dk.masked_softmax, wgrad_accumulate=dk.wgrad_accumulate,
         source="torch_tpu: my_ops.rmsnorm_forward/rmsnorm_backward; devshim_kernels: attention, swiglu, rotary, "
