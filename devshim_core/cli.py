@@ -207,6 +207,24 @@ def _print_info(report: dict[str, Any]) -> None:
         print(f"  [{d['set']}] {d['patch'] or '(the whole set)'}: not applied, {d['reason']}")
 
 
+def _print_integrations(as_json: bool) -> int:
+    """The table the session walks, third parties' included; nothing is activated or applied."""
+    from devshim_core.integrations import table
+
+    rows = [integration.describe() for integration in table.load()]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        print(f"{row['name']}: {row['reason']}")
+        details = [f"framework {row['framework']}" if row["framework"] else "",
+                   f"needs {', '.join(row['needs'])}" if row["needs"] else "",
+                   f"fires on import of {', '.join(row['triggers'])}" if row["triggers"] else "",
+                   f"patch sets {', '.join(row['patch_sets'])}" if row["patch_sets"] else ""]
+        print("    " + "; ".join(d for d in details if d))
+    return 0
+
+
 def check(paths: list[str], as_json: bool) -> int:
     """Scan without activating: 0 everything runs, 1 something cannot run, 2 a path could not be checked."""
     result = cuda_check.check_paths(paths, cuda_check.find_target())
@@ -229,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--json", action="store_true", help="machine-readable output")
     command = sub.add_parser("patches", help="activate, import the installed frameworks, list every patch applied")
     command.add_argument("--markdown", action="store_true", help="as the Markdown table in docs/patches.md")
+    command = sub.add_parser("integrations", help="the integrations devshim installs, in order, without applying any")
+    command.add_argument("--json", action="store_true", help="machine-readable output")
     command = sub.add_parser("settings", help="every DEVSHIM_* variable: what it takes, its default and effect")
     command.add_argument("--markdown", action="store_true", help="as the table in docs/user-guide.md")
     command = sub.add_parser("check", help="list a script's CUDA-only constructs: redirected, or what to change")
@@ -238,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "check":
             return check(args.paths, args.json)
+        if args.command == "integrations":
+            return _print_integrations(args.json)
         if args.command == "settings":
             print(switches.markdown() if args.markdown else switches.text())
             return 0

@@ -163,3 +163,18 @@ def test_every_patch_set_name_follows_the_convention():
     names |= {line.split("|")[1].strip() for line in generated.splitlines()
               if line.startswith("| ") and not line.startswith("| set |")}
     assert names and sorted(n for n in names if not NAME_PATTERN.match(n)) == []
+
+
+def test_devshim_integrations_lists_the_table_without_activating_anything():
+    code = ("import json, sys\nfrom devshim_core import cli\nsys.argv = ['devshim', 'integrations', '--json']\n"
+            "rc = cli.main()\nfrom devshim_core.patching import REGISTRY\n"
+            "print(json.dumps({'rc': rc, 'active': 'devshim_core.session' in sys.modules and "
+            "__import__('devshim_core.session').session.current() is not None, 'patches': REGISTRY.report()}))")
+    from plugin_fixtures import PYTHON, run
+
+    result = run([PYTHON, "-c", code], clean_env())
+    assert result.returncode == 0, result.stderr
+    *listing, last = result.stdout.strip().splitlines()
+    rows = json.loads("\n".join(listing))
+    assert [row["name"] for row in rows] == ["torch.distributed", "cuda-redirect", "deepspeed", "megatron"]
+    assert json.loads(last) == {"rc": 0, "active": False, "patches": []}

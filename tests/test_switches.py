@@ -102,3 +102,21 @@ def test_devshim_settings_prints_the_table():
                             capture_output=True, text=True, check=True)
     assert result.stdout.strip() == switches.markdown()
     assert log.NAME == "devshim"
+
+
+def test_devshim_log_level_debug_shows_every_kernel_dispatch_decision():
+    script = ("import torch, devshim_core.auto, devshim_kernels as dk\n"
+              "q = torch.randn(1, 2, 8, 4)\n"
+              "dk.attention(q, q, q, layout='BNSD', causal=True)\n"
+              "dk.attention(q, q, q, layout='BNSD', attn_mask=torch.ones(8, 8, dtype=torch.bool))\n"
+              "dk.rms_norm(torch.randn(4, 8), None)\n")
+    env = clean_env(DEVSHIM_PLUGIN="cpu_reference", DEVSHIM_LOG_LEVEL="debug")
+    result = run([PYTHON, "-c", script], env)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "attention (1, 2, 8, 4)" in line or "row-wise" in line]
+    assert len(lines) == 3, result.stderr[-2000:]
+    assert "scaled_dot_product_attention (mask True, causal False)" in lines[1]
+    assert lines[2] == "devshim: row-wise kernel for torch.float32 (4, 8): " + lines[2].rsplit(": ", 1)[1]
+    assert lines[2].endswith(("native", "PyTorch"))
+    quiet = run([PYTHON, "-c", script], clean_env(DEVSHIM_PLUGIN="cpu_reference"))
+    assert quiet.returncode == 0 and quiet.stderr == ""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from devshim_core.patching import Requirement
 
@@ -70,7 +70,7 @@ class Integration:
     patch_sets: tuple[str, ...] = ()
     applies: Callable[[Device, Settings], str | None] = field(default=lambda device, settings: None)
 
-    def describe(self) -> dict[str, object]:
+    def describe(self) -> dict[str, Any]:
         """What the integration is, without applying anything (``devshim integrations``)."""
         return {"name": self.name, "reason": self.reason,
                 "framework": None if self.framework is None else f"{self.framework.distribution}{self.framework.spec}",
