@@ -34,11 +34,6 @@ from devshim_core.records import (
 from devshim_core.selection import Selection
 from devshim_core.stream_context import reusable
 
-
-class _HostDefault:
-    OFFLOAD_IO = OffloadIO(source="devshim's default")  # a marker: replaced by host_defaults.offload_io()
-
-
 # plugins whose CollectivesSpec.prepare ran in this process: a backend is registered once per process
 _prepared_plugins: set[str] = set()
 
@@ -214,9 +209,7 @@ def build_device(registry: PluginRegistry, selection: Selection) -> Device:
     optimizer = _checked(registry, record, "devshim_optimizer_kernels", OptimizerKernels, OptimizerKernels())
     attention = _checked(registry, record, "devshim_attention_kernels", FusedKernels, FusedKernels())
     # host file I/O is the same whatever the device: a plugin that does not answer gets devshim's (host_defaults)
-    offload_io = _checked(registry, record, "devshim_offload_io", OffloadIO, _HostDefault.OFFLOAD_IO)
-    if offload_io is _HostDefault.OFFLOAD_IO:
-        offload_io = host_defaults.offload_io()
+    offload_io = _checked(registry, record, "devshim_offload_io", OffloadIO, host_defaults.offload_io())
     patch_lists = _checked(registry, record, "devshim_patches", list, [])
     answers = [answer for answer in patch_lists if answer is not None]
     if any(not isinstance(answer, (list, tuple)) for answer in answers):

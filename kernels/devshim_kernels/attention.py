@@ -118,19 +118,22 @@ def _bnsd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, al
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # SDPA refuses e.g. a 1-D key mask
     s_q, s_k = q.shape[-2], k.shape[-2]
     if causal and mask is None and _blocked_applies(q, k, v, dropout_p):
-        _log.debug("attention %s %s: blocked causal GEMMs", tuple(q.shape), q.dtype)
+        if _log.isEnabledFor(logging.DEBUG):  # a hot path: nothing is formatted unless asked
+            _log.debug("attention %s %s: blocked causal GEMMs", tuple(q.shape), q.dtype)
         return blocked.blocked_causal_attention(q, k, v, scale)
     bottom_right = alignment == "bottom_right" and s_q != s_k
     if causal and (mask is not None or bottom_right):
         # (mask is not None: it is, when not bottom_right; said again for the type checker)
         if not bottom_right and mask is not None and _flash_cpu_applies(q, k, v, mask, dropout_p):
-            _log.debug("attention %s %s: flash attention for CPU, causal with a mask", tuple(q.shape), q.dtype)
+            if _log.isEnabledFor(logging.DEBUG):
+                _log.debug("attention %s %s: flash attention for CPU, causal with a mask", tuple(q.shape), q.dtype)
             return _flash_cpu(q, k, v, mask, scale)
         triangle = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q if bottom_right else 0)
         mask = triangle if mask is None else _restrict(mask, triangle)
         causal = False
-    _log.debug("attention %s %s: scaled_dot_product_attention (mask %s, causal %s)", tuple(q.shape), q.dtype,
-               mask is not None, causal)
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("attention %s %s: scaled_dot_product_attention (mask %s, causal %s)", tuple(q.shape), q.dtype,
+                   mask is not None, causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
