@@ -57,6 +57,7 @@ def parse_forced(environ: Mapping[str, str]) -> tuple[str | None, str | None]:
 
 
 DEFAULT_DETECT_TIMEOUT = 10.0
+_WARNED: set[str] = set()  # the warnings this process has printed
 
 
 def _emulated_vendor(environ: Mapping[str, str]) -> str | None:
@@ -115,7 +116,9 @@ class Settings:
                                         if item.strip())),
         )
         for warning in switches.check_environment(env):  # after the parsers above, whose messages are specific
-            log.logger().warning(warning)
+            if warning not in _WARNED:  # settings are read more than once (devshim info, the kit): say it once
+                _WARNED.add(warning)
+                log.logger().warning(warning)
         if forced is not None and forced in settings.disabled:
             raise ConfigError(f"DEVSHIM_PLUGIN={forced} forces a plugin that DEVSHIM_DISABLED_PLUGINS also blocks; "
                               "remove it from one of the two.")

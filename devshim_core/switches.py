@@ -10,10 +10,10 @@ kernels', the emulator's) are declared here too, so that one table lists them al
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from devshim_core import log
 from devshim_core.env_values import FALSE, TRUE
 from devshim_core.errors import ConfigError
 
@@ -25,38 +25,12 @@ def _bool(raw: str) -> bool:
     return raw.strip().lower() in TRUE | FALSE
 
 
-def _plugin_name(item: str) -> bool:
-    return bool(item) and item.replace("_", "").replace("-", "").isalnum()
-
-
-def _names(raw: str) -> bool:
-    return all(_plugin_name(item.strip()) for item in raw.split(",") if item.strip())
-
-
-def _forced(raw: str) -> bool:
-    """``name`` or ``name@distribution``; how many names, Settings says (it forces exactly one, blanks ignored)."""
-    name, at, distribution = raw.partition("@")
-    return _names(name) and (not at or (bool(distribution.strip()) and "@" not in distribution))
-
-
-def _seconds(raw: str) -> bool:
-    try:
-        value = float(raw)
-    except ValueError:
-        return False
-    return value >= 0 and math.isfinite(value)
-
-
 def _count(raw: str) -> bool:
     return raw.strip().isdigit() and int(raw) >= 1
 
 
 def _indices(raw: str) -> bool:
     return all(item.strip().isdigit() for item in raw.split(",") if item.strip())
-
-
-def _identifier(raw: str) -> bool:
-    return raw.strip().isidentifier()
 
 
 def _patch_names(raw: str) -> bool:
@@ -68,6 +42,10 @@ def _patch_names(raw: str) -> bool:
 
 def _anything(raw: str) -> bool:
     return True
+
+
+# checked where Settings.from_env parses it (settings.py), with a message of its own, before check_environment runs
+PARSED = _anything
 
 
 @dataclass(frozen=True)
@@ -88,16 +66,16 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("DEVSHIM_AUTO", BOOLEAN, "0", "activate devshim in every process that imports torch, when it does "
            "(launchers, spawned workers)", _bool),
     Switch("DEVSHIM_PLUGIN", "a plugin name, or name@distribution", "unset", "force one plugin (the only one then "
-           "loaded and detected); name@distribution picks one of two distributions registering that name", _forced),
-    Switch("DEVSHIM_DISABLED_PLUGINS", "comma-separated plugin names", "unset", "never load these plugins", _names),
+           "loaded and detected); name@distribution picks one of two distributions registering that name", PARSED),
+    Switch("DEVSHIM_DISABLED_PLUGINS", "comma-separated plugin names", "unset", "never load these plugins", PARSED),
     Switch("DEVSHIM_DISABLE_PLUGIN_AUTOLOAD", BOOLEAN, "0", "load only the plugins named in DEVSHIM_PLUGINS (plus a "
            "forced one)", _bool),
     Switch("DEVSHIM_PLUGINS", "comma-separated plugin names", "unset", "the plugins loaded when "
-           "DEVSHIM_DISABLE_PLUGIN_AUTOLOAD=1; each must be installed", _names),
+           "DEVSHIM_DISABLE_PLUGIN_AUTOLOAD=1; each must be installed", PARSED),
     Switch("DEVSHIM_REQUIRE_DEVICE", "a torch device type (npu, cuda, tpu, cpu, ...)", "unset", "the job must run on "
-           "this device type: selecting another is an error; a match also silences the fallback line", _identifier),
+           "this device type: selecting another is an error; a match also silences the fallback line", PARSED),
     Switch("DEVSHIM_DETECT_TIMEOUT", "seconds (0: no limit)", "10", "how long each plugin's detection may take before "
-           "it is passed over as timed out", _seconds),
+           "it is passed over as timed out", PARSED),
     # -- what is patched
     Switch("DEVSHIM_DISABLE", "comma-separated integration, patch-set or set:patch names", "unset", "turn off an "
            "integration, a patch set or one patch (`devshim patches` lists their names), e.g. "
@@ -116,7 +94,7 @@ SWITCHES: tuple[Switch, ...] = (
            "op builders instead of standing aside", _bool),
     Switch("DEVSHIM_LOG_LEVEL", "debug, info, warning or error", "info", "how much devshim logs on stderr (logger "
            "'devshim'); debug shows every patch applied and every kernel dispatch decision",
-           lambda raw: raw.strip().lower() in ("debug", "info", "warning", "error")),
+           lambda raw: raw.strip().lower() in log.LEVELS),
     # -- devices
     Switch("DEVSHIM_CPU_DEVICE_COUNT", "a positive integer", "the launcher's local world size, else 1", "how many "
            "ranks the CPU device offers per host", _count, "devshim-cpu-reference"),
@@ -155,8 +133,8 @@ def nearest(name: str, known: list[str] | tuple[str, ...]) -> str | None:
 
 
 def check_environment(environ: Mapping[str, str]) -> list[str]:
-    """Raise :class:`ConfigError` for the first declared variable whose value is not valid; return one warning per
-    ``DEVSHIM_*`` variable that is declared nowhere."""
+    """Raise :class:`ConfigError` for the first declared variable whose value is not valid (those Settings parses
+    are checked there); return one warning per ``DEVSHIM_*`` variable that is declared nowhere."""
     warnings = []
     for name, raw in environ.items():
         if not name.startswith(PREFIX):
