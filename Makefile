@@ -10,6 +10,7 @@ DISTRIBUTIONS := -e . -e kernels -e plugins/cpu_reference -e plugins/ascend -e p
 BUILD_INPUTS := pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml emulation/pyproject.toml \
 	requirements-dev.txt constraints.txt \
 	build_support/* setup.py devshim_core/integrations/cuda_redirect/_native.c \
+	devshim_core/integrations/torch_distributed/_shm_sync.c \
 	$(wildcard kernels/setup.py kernels/devshim_kernels/_native/*.c kernels/devshim_kernels/_native/*.h)
 # a test run never compiles DeepSpeed ops; a stray attempt would land here, not in ~/.cache
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions

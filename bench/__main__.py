@@ -18,7 +18,7 @@ from bench.common import Comparison, Note, Result, seconds_text
 from bench.stats import VERDICTS
 
 MODULES = ("host_adam", "attention", "fused_ops", "import_cost", "end_to_end", "vendor_peer", "cuda_redirect",
-           "megatron_step", "file_io", "offload_step", "adam_identity")
+           "megatron_step", "file_io", "offload_step", "adam_identity", "collectives")
 DEFAULT_OUTPUT = pathlib.Path(__file__).resolve().parent / "results.json"
 QUICK_OUTPUT = DEFAULT_OUTPUT.with_name("results-quick.json")  # a smoke run never replaces the real figures
 

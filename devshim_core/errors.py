@@ -36,3 +36,14 @@ class KernelCallError(DevshimError):
 class DeviceSetupError(DevshimError):
     """The vendor runtime failed to set up the device a process asked for; the message names the process's rank,
     the device, the plugin and the visible-devices variable, with the runtime's own error chained."""
+
+
+class CollectiveError(DevshimError):
+    """A collective devshim's shared memory serves could not complete: a rank died, or did not reach it within the
+    process group's timeout. The message names the collective, its call number on the group and the ranks."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """The ranks of one collective made different calls (size, dtype, op or collective): raised on every rank at
+    that call, listing each rank's call, where gloo would fail ("doesn't match expected size"), hang or return a
+    wrong sum. No rank's tensor was changed."""

@@ -27,15 +27,18 @@ for _name in _DEVSHIM_SWITCHES:
 
 def native_libraries_missing() -> list[str]:
     """Why each native library devshim builds at install (host Adam, row-wise kernels, file I/O, CUDA-redirect
-    wrappers) is not usable here; empty when all four load."""
+    wrappers, the shared-memory collectives' barrier) is not usable here; empty when all five load."""
     from devshim_kernels import _native, file_io
     from devshim_kernels._native import rowwise
 
     from devshim_core.integrations.cuda_redirect import wrappers
+    from devshim_core.integrations.torch_distributed import shm_segment
 
     missing = [reason for reason in (_native.REASON, rowwise.REASON, file_io.REASON) if reason]
     if not wrappers.NATIVE:
         missing.append("devshim_core.integrations.cuda_redirect._native did not import")
+    if not shm_segment.NATIVE:
+        missing.append("devshim_core.integrations.torch_distributed._shm_sync did not import")
     return missing
 
 

@@ -11,26 +11,27 @@ import json
 import os
 import resource
 import signal
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from devshim_core.integrations.torch_distributed import shared_memory
+from devshim_core.integrations.torch_distributed import shared_memory, shm_segment
 
 SERVED: list[str] = []
 
 
 def spy() -> None:
     for name in ("all_reduce", "all_gather", "reduce_scatter"):
-        method = getattr(shared_memory.Segment, name)
+        method = getattr(shm_segment.Segment, name)
 
         def counted(self: Any, *args: Any, _method: Callable[..., Any] = method, _name: str = name) -> Any:
             SERVED.append(_name)
             return _method(self, *args)
 
-        setattr(shared_memory.Segment, name, counted)
+        setattr(shm_segment.Segment, name, counted)
 
 
 def gloo(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -64,11 +65,11 @@ def main() -> None:
                                               gloo(dist.reduce_scatter_tensor))
     report: dict[str, Any] = {"ranks": size, "cases": {}}
     generator = torch.Generator().manual_seed(1234 + rank)
-    slot = shared_memory.SLOT_BYTES
+    slot = shm_segment.SLOT_BYTES
 
     # sizes: one chunk, an odd size over several chunks (each element size), and per-rank shares that do not split
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
-        for numel in (shared_memory.MIN_BYTES // 2 + 1, 2 * slot // 2 + 7 * size + 1):
+        for numel in (4097, slot // 2 + 7 * size + 1):
             source = (torch.randn(numel, generator=generator) * 64).to(dtype)
             ours, theirs = source.clone(), source.clone()
             served = served_by_shared_memory(lambda: dist.all_reduce(ours))  # noqa: B023
@@ -94,7 +95,7 @@ def main() -> None:
     big = torch.randn(1 << 20, generator=generator)
     # each call made once through devshim's all_reduce and once through gloo's
     fallbacks: dict[str, Callable[[Callable[..., Any], torch.Tensor], Any]] = {
-        "below MIN_BYTES": lambda reduce, t: reduce(t[:16]),
+        "non-contiguous": lambda reduce, t: reduce(t[::2]),
         "async_op": lambda reduce, t: reduce(t, async_op=True).wait(),
         "MAX": lambda reduce, t: reduce(t, op=dist.ReduceOp.MAX),
     }
@@ -121,14 +122,14 @@ def main() -> None:
                                                             **compare(ours, theirs)}
 
     # ranks that report different hosts keep gloo
-    real_host = shared_memory._host
-    shared_memory._host = lambda: (f"host-{rank}", "boot")
+    real_host = shm_segment.host_identity
+    shm_segment.host_identity = lambda: (f"host-{rank}", "boot")
     other_hosts = dist.new_group(list(range(size)))
     ours, theirs = big.clone(), big.clone()
     served = served_by_shared_memory(lambda: dist.all_reduce(ours, group=other_hosts))
     all_reduce(theirs)
     report["cases"]["keeps gloo: ranks on different hosts"] = {"served": served, **compare(ours, theirs)}
-    shared_memory._host = real_host
+    shm_segment.host_identity = real_host
 
     # rank 0 cannot reserve the segment (a file-size limit stands in for a full /dev/shm): every rank keeps gloo
     if rank == 0:
@@ -144,8 +145,9 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
 
     dist.barrier()
-    report["left_in_dev_shm"] = sorted(name for name in os.listdir(shared_memory.SHM_DIRECTORY)
-                                       if name.startswith(f"devshim-collectives-{os.getpid()}-"))
+    mine = f"{shm_segment.FILE_PREFIX}-{socket.gethostname()}-{os.getpid()}-"
+    report["left_in_dev_shm"] = sorted(name for name in os.listdir(shm_segment.SHM_DIRECTORY) if name.startswith(mine))
+    report["thresholds"] = shared_memory.THRESHOLD_BYTES
     reports: list[Any] = [None] * size
     dist.all_gather_object(reports, report)
     if rank == 0:

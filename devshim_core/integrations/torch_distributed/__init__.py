@@ -1,9 +1,11 @@
 """What devshim changes in ``torch.distributed`` for every job, and the plugin's own process-group arguments.
 
 - ``clean_exit``: gloo's worker threads settle before the interpreter finalizes (no abort after success);
-- ``shared_memory``: large CPU collectives between ranks of one host go through shared memory, not TCP;
+- ``shared_memory``: CPU collectives between ranks of one host go through shared memory, not TCP, the ranks
+  comparing their calls first;
 - ``timeouts``: a collective that times out names itself and how to set the timeout;
-- ``agreement``: every rank runs on rank 0's plugin, or ``init_process_group`` says which rank differs;
+- ``agreement``: every rank runs on rank 0's plugin and collectives switch, or ``init_process_group`` says which
+  rank differs (or lacks devshim);
 - ``plugin_kwargs``: the plugin's extra ``init_process_group`` arguments, when it has any.
 """
 
@@ -50,7 +52,8 @@ def job_patch_sets(device: Device, job_level: bool = True,
         sets.append((shared_memory.patch_set(device), "large CPU collectives on one host through shared memory"))
     if job_level:
         sets += [(timeouts.patch_set(device), f"{len(timeouts.COLLECTIVES)} collectives name their timeouts"),
-                 (agreement.patch_set(device), "ranks check they share rank 0's plugin")]
+                 (agreement.patch_set(device, shared_memory_collectives),
+                  "ranks check they share rank 0's plugin and collectives switch")]
     if device.collectives.init_kwargs:  # outermost: the arguments are added before anything else runs
         sets.append((plugin_kwargs.patch_set(device), ", ".join(device.collectives.init_kwargs)))
     return sets
