@@ -59,8 +59,10 @@ def _on_jit_imported(device: Device, status: Status) -> None:
 def _on_training_imported(device: Device, status: Status) -> None:
     if flavor.is_megatron_core():
         from devshim_core.integrations.megatron.training import training_patch_set
+        from devshim_core.integrations.megatron.unserved_args import args_patch_set
 
         REGISTRY.apply(training_patch_set(device), device)
+        REGISTRY.apply(args_patch_set(device), device)  # wraps training's validate_args: reverted before it
 
 
 def install(device: Device, status: Status) -> None:
@@ -94,5 +96,6 @@ def _install(device: Device, status: Status) -> str:
 def uninstall() -> None:
     for name in (JIT, CORE, TRAINING):
         import_hooks.cancel(name)
-    for name in ("megatron-training", "megatron-core", "megatron-core-jit", EXTENSION_MODULES.name):
+    for name in ("megatron-training-flags", "megatron-training", "megatron-core", "megatron-core-jit",
+                 EXTENSION_MODULES.name):
         REGISTRY.revert(name)

@@ -34,6 +34,7 @@ INTEGRATION = Integration(
     framework=MEGATRON_CORE,
     needs=("cuda-redirect",),  # Megatron calls torch.cuda throughout
     triggers=(CORE, JIT, TRAINING),
-    patch_sets=(EXTENSION_MODULES.name, "megatron-core", "megatron-core-jit", "megatron-training"),
+    patch_sets=(EXTENSION_MODULES.name, "megatron-core", "megatron-core-jit", "megatron-training",
+                "megatron-training-flags"),
     applies=_applies,
 )

@@ -127,8 +127,10 @@ def core_patches(device: Device) -> list[Patch]:
         SetAttribute(
             name="refuse-unserved-flags",
             target="megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
-            make=lambda original, d: unserved_flags.checked_post_init(original, d.type),
-            reason="fp8/fp4, CUDA graphs and other TransformerEngine-only flags fail with the flag's name, at once"),
+            make=unserved_flags.checked_post_init,
+            reason="every config field the device cannot serve (TransformerEngine, CUDA graphs, DeepEP, flash "
+                   "attention, ...; unserved_flags.CONFIG_FIELDS) fails with its name and flag before the model "
+                   "is built"),
         SetAttribute(name="get-rng-state", target=f"{RANDOM}:_get_cuda_rng_state", make=rng.get_state,
                      reason="the tensor-parallel RNG tracker reads the plugin's generator"),
         SetAttribute(name="set-rng-state", target=f"{RANDOM}:_set_cuda_rng_state", make=rng.set_state,
