@@ -9,12 +9,17 @@ import textwrap
 from pathlib import Path
 
 
-def _fake_distribution(root: Path, name: str, version: str) -> None:
-    """Metadata of ``name`` at ``version``, found first on sys.path (the real package stays importable)."""
-    info = root / f"{name}-{version}.dist-info"
+def _fake_deepspeed(root: Path, version: str) -> None:
+    """DeepSpeed ``version`` as pip installs it, found first on sys.path: its metadata, and a ``deepspeed`` package
+    whose code says the same version (devshim goes by the code that runs: metadata alone does not count)."""
+    info = root / f"deepspeed-{version}.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {version}\n")
     (info / "RECORD").write_text("")
+    package = root / "deepspeed"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "git_version_info_installed.py").write_text(f"version='{version}'\ngit_hash='unknown'\n")
 
 
 def _run(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
@@ -23,7 +28,7 @@ def _run(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_auto_refuses_an_unsupported_deepspeed_with_an_actionable_message(tmp_path):
-    _fake_distribution(tmp_path, "deepspeed", "0.15.4")
+    _fake_deepspeed(tmp_path, "0.15.4")
     result = _run("""
         from devshim_core.errors import PatchError
         try:
@@ -41,7 +46,7 @@ def test_auto_refuses_an_unsupported_deepspeed_with_an_actionable_message(tmp_pa
 
 
 def test_the_deepspeed_integration_can_be_switched_off_to_run_beside_an_unsupported_version(tmp_path):
-    _fake_distribution(tmp_path, "deepspeed", "0.15.4")
+    _fake_deepspeed(tmp_path, "0.15.4")
     result = _run("""
         import devshim_core.auto
         print(devshim_core.auto.session.integrations["deepspeed"])

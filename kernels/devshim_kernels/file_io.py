@@ -17,7 +17,7 @@ import torch
 
 from devshim_kernels._native import open_library
 
-ABI_VERSION = 1  # must equal DEVSHIM_AIO_ABI in aio.c
+ABI_VERSION = 2  # must equal DEVSHIM_AIO_ABI in aio.c: a library from before O_NOFOLLOW is not used
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
@@ -97,7 +97,7 @@ class AsyncFileIO:
         error = library.devshim_aio_submit(self._handle, int(read), path, fd, buffer.data_ptr(), buffer.nbytes,
                                            file_offset)
         if error:
-            raise OSError(error, f"cannot open for {'reading' if read else 'writing'}: {os.strerror(error)}", name)
+            raise open_error(error, name, read)
         self._pending.append(_Pending(read, name, buffer))
 
     @property
@@ -130,6 +130,21 @@ class AsyncFileIO:
 
     def __del__(self) -> None:
         self.close()
+
+
+def open_error(error: int, path: str, read: bool) -> OSError:
+    """The error for a path the engine could not open; a symlink at the path (which it never follows) says so."""
+    what = "reading" if read else "writing"
+    try:
+        link = os.readlink(path) if error == errno.ELOOP else None
+    except OSError:  # not a link: a loop in the directories above it
+        link = None
+    if link is not None:
+        return OSError(error, f"refused to open for {what}: the path is a symbolic link (to {link!r}), "
+                              "and devshim's file I/O never follows one, so that swap data can neither overwrite "
+                              "nor be read from the file it points to. Remove the link, or point DeepSpeed's "
+                              "nvme_path at a directory where devshim can create its own files", path)
+    return OSError(error, f"cannot open for {what}: {os.strerror(error)}", path)
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, alignment: int = 4096) -> torch.Tensor:

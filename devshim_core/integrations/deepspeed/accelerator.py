@@ -319,8 +319,13 @@ class DevshimAccelerator(DeepSpeedAccelerator):
     def get_op_builder(self, class_name: str) -> type | None:
         if class_name in _NO_BUILDER:
             return None
-        builders = self._builders()
-        return builders.get(class_name, builders["NotImplementedBuilder"])
+        served = self._builders().get(class_name)
+        if served is not None and class_name != "NotImplementedBuilder":
+            return served
+        # an op devshim does not serve: a refusal of its own, so that its error names it and says what to do
+        from devshim_core.integrations.deepspeed.op_builders import refusal_for
+
+        return refusal_for(class_name)
 
     def create_op_builder(self, class_name: str) -> Any:
         builder_class = self.get_op_builder(class_name)

@@ -3,11 +3,13 @@
 ZeRO-Infinity's NVMe swappers (``deepspeed.runtime.swap_tensor``), the fast checkpoint writer
 (``deepspeed.io``) and ``deepspeed.nvme``'s tools call this API directly, so names, signatures, defaults and
 return values follow ``csrc/aio/py_lib/py_ds_aio.cpp``. Where the compiled op prints and returns -1, or asserts,
-this one raises :class:`OSError` or :class:`ValueError` naming the file.
+this one raises :class:`OSError` or :class:`ValueError` naming the file. Unlike the compiled op, it never follows a
+symlink at a swap path: it raises instead of overwriting (or reading) the link's target.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import weakref
@@ -46,7 +48,25 @@ def _host_view(buffer: torch.Tensor, read: bool) -> torch.Tensor:
     return bounce
 
 
+def _symlink_refusal(path: str, read: bool) -> OSError | None:
+    """The error for a symlink at a swap path, or ``None``: the engine opens paths with ``O_NOFOLLOW`` (devshim's
+    refuses a link when it opens the file); this check names the link before anything is queued, whichever engine
+    the plugin gave."""
+    try:
+        link = os.readlink(path)
+    except OSError:  # not a link, or not there
+        return None
+    return OSError(errno.ELOOP, f"refused to open for {'reading' if read else 'writing'}: the path is a symbolic "
+                                f"link (to {link!r}), and devshim's async I/O never follows one, so that swap data "
+                                "can neither overwrite nor be read from the file it points to. Remove the link, or "
+                                "point DeepSpeed's nvme_path at a directory where devshim can create its own files",
+                   path)
+
+
 def _file_size(filename: str) -> int:
+    refusal = _symlink_refusal(filename, read=True)
+    if refusal is not None:
+        raise refusal
     try:
         return os.stat(filename).st_size
     except OSError as error:
@@ -58,7 +78,12 @@ def _validate(transfer: _Transfer) -> None:
     if isinstance(transfer.target, int):
         return
     expected = transfer.io_buffer.view(torch.uint8).reshape(-1)
-    with open(transfer.target, "rb") as file:
+    try:
+        descriptor = os.open(transfer.target, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as error:
+        refusal = _symlink_refusal(transfer.target, read=True)
+        raise refusal or OSError(error.errno, f"cannot validate: {error.strerror}", transfer.target) from None
+    with open(descriptor, "rb") as file:
         file.seek(transfer.file_offset)
         data = file.read(expected.numel())
     actual = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
@@ -107,6 +132,8 @@ class AioHandle:
 
     # -- transfers ------------------------------------------------------------------------------
     def _submit(self, read: bool, buffer: torch.Tensor, target: str | int, validate: bool, file_offset: int) -> None:
+        if not read and not isinstance(target, int) and (refusal := _symlink_refusal(target, read=False)):
+            raise refusal
         if read and not isinstance(target, int):
             size = _file_size(target)
             if size < file_offset + buffer.nbytes:

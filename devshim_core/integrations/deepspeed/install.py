@@ -15,16 +15,22 @@ from devshim_core.integrations.deepspeed.patches import (
     DEEPSPEED,
     DEEPSPEED_PATCHES,
     GATHER_ORDER_PATCHES,
+    NO_JIT_PATCHES,
     ONE_PASS_OFFLOAD_PATCHES,
+    OP_BUILDER_MODULE,
     OPTIMIZER_PATCHES,
     OPTIMIZERS_MODULE,
     PARAMETERS_MODULE,
     STAGE_1_AND_2_MODULE,
+    installed_metadata_version,
+    running_deepspeed,
+    running_deepspeed_directory,
 )
-from devshim_core.patching import REGISTRY
+from devshim_core.patching import REGISTRY, version_in_range
 
 # sets applied when their module is imported; each only for the DeepSpeed releases it declares
 _WHEN_IMPORTED = (
+    (NO_JIT_PATCHES, OP_BUILDER_MODULE),
     (OPTIMIZER_PATCHES, OPTIMIZERS_MODULE),
     (COMPRESSED_BACKEND_PATCHES, COMPRESSED_BACKEND_MODULE),  # imported only by the 1-bit optimizers
     (GATHER_ORDER_PATCHES, PARAMETERS_MODULE),
@@ -42,12 +48,30 @@ def install(device: Device, status: Status) -> None:
     status.set(_install(device, status))
 
 
-def _install(device: Device, status: Status) -> str:
+def _refusal() -> PatchError | None:
+    """Why the DeepSpeed that runs cannot be patched, judged by its code's own version, or ``None``."""
     problem = DEEPSPEED.problem()
-    if problem is not None:
-        raise PatchError(f"devshim's DeepSpeed integration cannot run: {problem}. Install a supported DeepSpeed "
-                         f"(pip install 'deepspeed{DEEPSPEED.spec}'), or set DEVSHIM_PATCH_DEEPSPEED=0 to run "
-                         "without it.")
+    if problem is None:
+        return None
+    running, metadata = running_deepspeed(), installed_metadata_version()
+    if running is not None and metadata is not None and running != metadata:
+        where = running_deepspeed_directory()
+        fix = (f"Take {where.parent if where else 'that package'} off sys.path/PYTHONPATH (the installed deepspeed "
+               f"{metadata} then runs)" if version_in_range(metadata, DEEPSPEED.spec) else
+               f"Install a supported DeepSpeed (pip install 'deepspeed{DEEPSPEED.spec}') in its place")
+        return PatchError(f"devshim's DeepSpeed integration cannot run: the deepspeed package that runs, {where}, is "
+                          f"deepspeed {running} (its own code says so; the installed distribution's metadata says "
+                          f"{metadata}, and the code wins), and devshim supports deepspeed{DEEPSPEED.spec}. {fix}, or "
+                          "set DEVSHIM_PATCH_DEEPSPEED=0 to run without devshim's DeepSpeed integration.")
+    return PatchError(f"devshim's DeepSpeed integration cannot run: {problem}. Install a supported DeepSpeed "
+                      f"(pip install 'deepspeed{DEEPSPEED.spec}'), or set DEVSHIM_PATCH_DEEPSPEED=0 to run "
+                      "without it.")
+
+
+def _install(device: Device, status: Status) -> str:
+    refusal = _refusal()
+    if refusal is not None:
+        raise refusal
     note = _overridden_selection()
     for patch_set, module in _WHEN_IMPORTED:
         REGISTRY.apply_when_imported(patch_set, module, device)
@@ -58,6 +82,11 @@ def _install(device: Device, status: Status) -> str:
         return "applied (deepspeed was imported first: import-time references were rebound)" + note
 
     def apply_and_report(module: object) -> None:
+        # checked again now that deepspeed's own code is importing: the package sys.path gave it may not be the
+        # one checked at activation, and the import fails here rather than run code devshim was not written for
+        refusal = _refusal()
+        if refusal is not None:
+            raise refusal
         REGISTRY.apply(DEEPSPEED_PATCHES, device)
         status.fired()
 

@@ -13,6 +13,7 @@ from devshim_core.integrations.deepspeed.patches import (
     DEEPSPEED,
     DEEPSPEED_PATCHES,
     GATHER_ORDER_PATCHES,
+    NO_JIT_PATCHES,
     ONE_PASS_OFFLOAD_PATCHES,
     OPTIMIZER_PATCHES,
 )
@@ -44,7 +45,7 @@ INTEGRATION = Integration(
     uninstall=_uninstall,
     framework=DEEPSPEED,
     triggers=(ACCELERATOR_MODULE,),
-    patch_sets=tuple(s.name for s in (DEEPSPEED_PATCHES, OPTIMIZER_PATCHES, COMPRESSED_BACKEND_PATCHES,
+    patch_sets=tuple(s.name for s in (DEEPSPEED_PATCHES, NO_JIT_PATCHES, OPTIMIZER_PATCHES, COMPRESSED_BACKEND_PATCHES,
                                       GATHER_ORDER_PATCHES, ONE_PASS_OFFLOAD_PATCHES)),
     applies=_applies,
 )

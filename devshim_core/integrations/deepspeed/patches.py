@@ -3,31 +3,83 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
+import re
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from devshim_core.device import Device
+from devshim_core.distributions import installed_version
 from devshim_core.integrations.deepspeed.one_pass_offload import STAGE_1_AND_2_MODULE, one_pass_step
 from devshim_core.integrations.deepspeed.optimizer_errors import naming_the_group
-from devshim_core.patching import PatchSet, RebindReferences, Requirement, SetAttribute, SetAttributes
+from devshim_core.patching import PatchSet, RebindReferences, Requirement, SetAttribute, SetAttributes, Undo
+
+_UNKNOWN = ("", "0.0.0")  # what an uninstalled checkout's git_version_info says outside its own folder
+_VERSION_LITERAL = re.compile(r"""^[ \t]*version\s*=\s*['"]([^'"]*)['"]\s*(?:#.*)?$""", re.MULTILINE)
+
+
+def _version_in(source: Path) -> str | None:
+    """The version a ``git_version_info`` source assigns as a literal (``version = '0.19.8'``), read without running it;
+    a computed one (an uninstalled checkout's ``open('version.txt')``) is not read."""
+    try:
+        text = source.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    found = [v.strip() for v in _VERSION_LITERAL.findall(text) if v.strip() not in _UNKNOWN]
+    return found[-1] if found else None
+
+
+def running_deepspeed_directory() -> Path | None:
+    """The directory of the ``deepspeed`` package that runs: the one imported (or being imported), else the one
+    ``import deepspeed`` would load. Found without importing it."""
+    module = sys.modules.get("deepspeed")
+    if module is not None:
+        origin = getattr(module, "__file__", None)
+    else:
+        try:
+            spec = importlib.util.find_spec("deepspeed")
+        except (ImportError, ValueError):
+            spec = None
+        origin = spec.origin if spec is not None else None
+    return Path(origin).parent if origin else None
 
 
 def running_deepspeed() -> str | None:
-    """The version of the DeepSpeed being imported, which differs from the installed distribution's when a source
-    checkout is on ``sys.path`` (DeepSpeed's own unit tests run that way): ``git_version_info`` once DeepSpeed has
-    read it, else the checkout's ``version.txt`` (an uninstalled checkout's ``git_version_info`` reads it from the
-    working directory and says 0.0.0 elsewhere). ``None`` before DeepSpeed is imported."""
-    version = getattr(sys.modules.get("deepspeed.git_version_info"), "version", None)
-    if version and version != "0.0.0":
-        return version
-    origin = getattr(sys.modules.get("deepspeed"), "__file__", None)
-    checkout_version = Path(origin).parent.parent / "version.txt" if origin else None
-    if checkout_version is not None and checkout_version.is_file():
+    """The version of the DeepSpeed code that runs (or will run, before ``import deepspeed``), which wins over the
+    installed distribution's metadata: a source checkout on ``sys.path`` (DeepSpeed's own unit tests run that way),
+    or any other ``deepspeed`` package shadowing the installed one, runs code the metadata does not describe.
+
+    In order: what the imported package says (``deepspeed.__version__``, its ``git_version_info`` module), then, read
+    from the package's files without running them (an import hook fires while ``deepspeed`` is still importing,
+    before it has read its version), ``git_version_info_installed.py`` (written by DeepSpeed's ``setup.py``),
+    ``git_version_info.py`` and a checkout's ``version.txt``. ``None`` when the code says nothing (the metadata then
+    counts)."""
+    module = sys.modules.get("deepspeed")
+    for said in (getattr(module, "__version__", None),
+                 getattr(sys.modules.get("deepspeed.git_version_info"), "version", None)):
+        if isinstance(said, str) and said.strip() not in _UNKNOWN:
+            return said.strip()
+    directory = running_deepspeed_directory()
+    if directory is None:
+        return None
+    for source in (directory / "git_version_info_installed.py", directory / "git_version_info.py"):
+        version = _version_in(source)
+        if version is not None:
+            return version
+    checkout_version = directory.parent / "version.txt"  # an uninstalled checkout's, at its root
+    try:
         return checkout_version.read_text().strip() or None
-    return None
+    except OSError:
+        return None
+
+
+def installed_metadata_version() -> str | None:
+    """What the installed ``deepspeed`` distribution's metadata says, whatever code runs."""
+    return installed_version("deepspeed")
 
 
 def deepspeed_versions(spec: str) -> Requirement:
@@ -53,6 +105,15 @@ def _deepspeed_namespaces() -> Iterator[dict[str, Any]]:
             yield vars(module)
 
 
+def _replaced_builders() -> dict[int, Any]:
+    """The op-builder classes ``import deepspeed`` bound from the accelerator it had before devshim's, by id."""
+    op_builders = sys.modules.get("deepspeed.ops.op_builder")
+    if op_builders is None:
+        return {}
+    return {id(value): value for name, value in vars(op_builders).items()
+            if name.endswith("Builder") and name not in ("OpBuilder", "CUDAOpBuilder") and value is not None}
+
+
 def _stale_pairs(device: Device) -> list[tuple[Any, Any]]:
     """(old, new) for what ``import deepspeed`` bound from the accelerator it had before devshim's."""
     new = sys.modules[ACCELERATOR_MODULE].ds_accelerator
@@ -67,9 +128,9 @@ def _stale_pairs(device: Device) -> list[tuple[Any, Any]]:
             if name.endswith("Builder") and name not in ("OpBuilder", "CUDAOpBuilder") and value is not None:
                 replacements.setdefault(id(value), (value, set()))[1].add(new.get_op_builder(name))
         for value, news in replacements.values():
-            # One old class standing for several names (an accelerator's NotImplementedBuilder) whose names devshim
-            # serves differently: rebinding by identity cannot tell them apart, so all get the refusal, never a
-            # wrong op.
+            # One old class standing for several names (an accelerator's NotImplementedBuilder): a reference bound
+            # under a builder's own name was rebound by that name first (_RebindStaleReferences); any other alias
+            # gets the generic refusal, never a wrong op.
             pairs.append((value, news.pop() if len(news) == 1 else new.get_op_builder("NotImplementedBuilder")))
     for namespace in _deepspeed_namespaces():
         for value in namespace.values():
@@ -80,6 +141,34 @@ def _stale_pairs(device: Device) -> list[tuple[Any, Any]]:
                 pairs.append((value, functools.partial(value.func, *value.args,
                                                        **{**value.keywords, "device_type": new._name})))
     return pairs
+
+
+@dataclass(frozen=True)
+class _RebindStaleReferences(RebindReferences):
+    """:class:`RebindReferences`, after rebinding each ``XBuilder`` name that holds a builder of the replaced
+    accelerator to devshim's answer for that name: DeepSpeed's accelerators answer many names with one
+    NotImplementedBuilder class, which identity alone cannot map back to the op each name stands for."""
+
+    def apply(self, device: Device) -> tuple[Undo, str]:
+        pairs = list(self.pairs(device))  # read from the namespaces before the names below change them
+        new = sys.modules[ACCELERATOR_MODULE].ds_accelerator
+        stale = _replaced_builders() if getattr(new, "_devshim_replaced", None) is not None else {}
+        done: list[tuple[dict[str, Any], str, Any]] = []
+        for namespace in _deepspeed_namespaces() if stale else ():
+            for key, value in list(namespace.items()):
+                if key.endswith("Builder") and stale.get(id(value)) is value:
+                    namespace[key] = new.get_op_builder(key)
+                    done.append((namespace, key, value))
+        by_identity = RebindReferences(name=self.name, scope=self.scope, pairs=lambda _device: pairs,
+                                       reason=self.reason, requires=self.requires, exclude=self.exclude)
+        undo_rest, detail = by_identity.apply(device)
+
+        def undo() -> None:
+            undo_rest()
+            for namespace, key, value in reversed(done):
+                namespace[key] = value
+
+        return undo, f"{len(done)} builder names and {detail}"
 
 
 DEEPSPEED_PATCHES = PatchSet(
@@ -93,13 +182,46 @@ DEEPSPEED_PATCHES = PatchSet(
             make=_make_accelerator,
             reason="get_accelerator() returns devshim's accelerator (DS_ACCELERATOR only knows in-tree devices)",
         ),
-        RebindReferences(
+        _RebindStaleReferences(
             name="stale-accelerator-references",
             scope="deepspeed",
             pairs=_stale_pairs,
             reason="import deepspeed binds op-builder classes, accelerator methods and autocast partials from the "
                    "accelerator it auto-detected; without this FusedAdam/CPUAdam would JIT-compile the CPU ops",
         ),
+    ),
+)
+
+
+OP_BUILDER_MODULE = "deepspeed.ops.op_builder.builder"  # imported by `import deepspeed`, after the accelerator
+
+
+def _through_devshims_builders(original: Any, device: Device) -> Any:
+    def jit_load(self: Any, verbose: bool = True) -> Any:
+        # a DeepSpeed builder class bound without the accelerator (``from deepspeed.ops.op_builder.dc import
+        # DeepCompileBuilder``) gets the op devshim serves under its class name, or that name's refusal
+        from deepspeed.accelerator import get_accelerator
+
+        from devshim_core.integrations.deepspeed.op_builders import refusal_for
+
+        builder = get_accelerator().create_op_builder(type(self).__name__)
+        return (builder if builder is not None else refusal_for(type(self).__name__)()).load(verbose)
+
+    jit_load.__devshim_original__ = original  # type: ignore[attr-defined]  # read by replaced_functions
+    return jit_load
+
+
+NO_JIT_PATCHES = PatchSet(
+    name="deepspeed-no-jit",
+    requires=(DEEPSPEED,),
+    reason="a DeepSpeed op builder reached without devshim's accelerator loads devshim's op or is refused by name, "
+           "never compiled",
+    patches=(
+        SetAttribute(
+            name="jit_load", target=f"{OP_BUILDER_MODULE}:OpBuilder.jit_load", make=_through_devshims_builders,
+            reason="modules that import a builder class from its own module (deepspeed.compile.util's "
+                   "DeepCompileBuilder) bypass get_accelerator().create_op_builder, and OpBuilder.load JIT-compiles "
+                   "it (minutes, or a compiler error) on any device"),
     ),
 )
 

@@ -22,7 +22,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define DEVSHIM_AIO_ABI 1
+#define DEVSHIM_AIO_ABI 2 /* 2: paths are opened with O_NOFOLLOW */
 
 #if defined(__GNUC__)
 #define EXPORT __attribute__((visibility("default")))
@@ -169,16 +169,27 @@ EXPORT int devshim_aio_submit(handle *h, int read, const char *path, int fd, voi
     r->fd_direct = -1;
     r->fd_buffered = fd;
     if (path != NULL) {
-        int flags = read ? O_RDONLY : (O_WRONLY | O_CREAT);
+        /* O_NOFOLLOW: a symlink planted at a swap path fails the open (ELOOP) instead of having its target
+         * overwritten or read as swap data. */
+        int flags = (read ? O_RDONLY : (O_WRONLY | O_CREAT)) | O_CLOEXEC | O_NOFOLLOW;
         r->owns_fds = 1;
-        r->fd_buffered = open(path, flags | O_CLOEXEC, 0600);
+        r->fd_buffered = open(path, flags, 0600);
         if (r->fd_buffered < 0) {
             int error = errno;
             free(r);
             return error;
         }
 #ifdef O_DIRECT
-        r->fd_direct = open(path, flags | O_CLOEXEC | O_DIRECT, 0600);
+        r->fd_direct = open(path, flags | O_DIRECT, 0600);
+        if (r->fd_direct >= 0) {
+            /* the second open must reach the same file: one swapped in between the two is not written */
+            struct stat buffered, direct;
+            if (fstat(r->fd_buffered, &buffered) != 0 || fstat(r->fd_direct, &direct) != 0 ||
+                buffered.st_dev != direct.st_dev || buffered.st_ino != direct.st_ino) {
+                close(r->fd_direct);
+                r->fd_direct = -1;
+            }
+        }
 #endif
     }
     pthread_mutex_lock(&h->lock);

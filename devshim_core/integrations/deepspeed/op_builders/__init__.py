@@ -6,7 +6,8 @@ Imported lazily by the accelerator, never at DeepSpeed import time's first step:
 
 from devshim_core.integrations.deepspeed.op_builders.adam import CPUAdamBuilder, FusedAdamBuilder
 from devshim_core.integrations.deepspeed.op_builders.async_io import AsyncIOBuilder
-from devshim_core.integrations.deepspeed.op_builders.not_implemented import NotImplementedBuilder
+from devshim_core.integrations.deepspeed.op_builders.not_implemented import NotImplementedBuilder, refusal_for
 from devshim_core.integrations.deepspeed.op_builders.packbits import PackbitsBuilder
 
-__all__ = ["AsyncIOBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "NotImplementedBuilder", "PackbitsBuilder"]
+__all__ = ["AsyncIOBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "NotImplementedBuilder", "PackbitsBuilder",
+           "refusal_for"]

@@ -41,6 +41,10 @@ class DevshimOpBuilder(OpBuilder):
         """Why this op cannot be served on ``device``, or ``None``."""
         return None
 
+    def op_description(self) -> str:
+        """How the errors name this op."""
+        return repr(self.name)
+
     def is_compatible(self, verbose: bool = False) -> bool:
         return self.kernel_problem(active_device()) is None
 
@@ -54,7 +58,7 @@ class DevshimOpBuilder(OpBuilder):
             return loaded[1]
         problem = self.kernel_problem(device)
         if problem is not None:
-            raise RuntimeError(f"DeepSpeed op {self.name!r} is not available through devshim plugin "
+            raise RuntimeError(f"DeepSpeed op {self.op_description()} is not available through devshim plugin "
                                f"{device.plugin!r}: {problem}. devshim never JIT-compiles DeepSpeed ops.")
         op = self.make_op(device)
         self._devshim_ops[self.name] = (device, op)
