@@ -1,1 +1,2 @@
-"""Reliability loops kept out of CI: ``python -m stress`` (``make stress``)."""
+"""Reliability loops kept out of CI: ``python -m stress`` (``make stress``) and ``python -m stress.chaos``
+(``make chaos``)."""

@@ -55,12 +55,12 @@ def parse_args() -> argparse.Namespace:
 
 
 class TinyLM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(SEQ, HIDDEN)
-        self.mlp = nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(),
-                                 nn.Linear(4 * HIDDEN, HIDDEN))
-        self.head = nn.Linear(HIDDEN, VOCAB)
+        self.tok, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(SEQ, hidden)
+        self.mlp = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                                 nn.Linear(4 * hidden, hidden))
+        self.head = nn.Linear(hidden, vocab)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
@@ -68,15 +68,15 @@ class TinyLM(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
-def batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rank: int, device: torch.device, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s data on ``rank``: t[i+1] = (5 t[i] + 3) mod V with 10 % random tokens, from the step alone."""
     g = torch.Generator().manual_seed(SEED * 1000003 + step * 101 + rank)
     seq = torch.empty(MICRO_BATCH, SEQ + 1, dtype=torch.long)
-    seq[:, 0] = torch.randint(VOCAB, (MICRO_BATCH,), generator=g)
+    seq[:, 0] = torch.randint(vocab, (MICRO_BATCH,), generator=g)
     for i in range(SEQ):
-        seq[:, i + 1] = (5 * seq[:, i] + 3) % VOCAB
+        seq[:, i + 1] = (5 * seq[:, i] + 3) % vocab
     noise = torch.rand(MICRO_BATCH, SEQ + 1, generator=g) < 0.1
-    seq[noise] = torch.randint(VOCAB, (int(noise.sum()),), generator=g)
+    seq[noise] = torch.randint(vocab, (int(noise.sum()),), generator=g)
     return seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
