@@ -115,7 +115,8 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("DEVSHIM_EMULATE_FAULTY_DEVICES", "comma-separated device indices", "unset", "emulated devices whose set-up "
            "fails, for testing fault handling", _indices, "devshim-emulation"),
     Switch("DEVSHIM_CACHE_DIR", "a directory", "~/.cache/devshim", "where the emulated device is built (private to "
-           "the user, mode 0700)", read_by="devshim-emulation"),
+           "the user, mode 0700; refused if another user owns or can write to it or a directory above it)",
+           read_by="devshim-emulation"),
     # -- the examples
     Switch("DEVSHIM_EXAMPLE_WITHOUT_DEVSHIM", BOOLEAN, "0", "examples/train_gpt.py: run without `import "
            "devshim_core.auto` (the benchmarks' peer runs)", _bool, "examples/train_gpt.py"),

@@ -1,5 +1,6 @@
 """Spec: the emulated device's first build tells the user on stderr what it builds, for which vendor and device, where,
-and that it takes about a minute once; then how long it took. A process that finds another one building says it waits.
+and that it takes about a minute once; then how long it took. A process that finds another one building says which
+process it waits for, and how long it waits at most.
 
 The compiler is replaced in these specs: what they check is what the user reads around the compile step, in a
 fresh DEVSHIM_CACHE_DIR. The real build happens at most once per machine, in the shared cache (tests/test_emulation.py
@@ -7,13 +8,16 @@ and the emulated suites load it); the e2e spec here reads ``devshim info`` over 
 
 from __future__ import annotations
 
-import fcntl
+import os
+import socket
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from devshim_emulation import build
-from plugin_fixtures import DEVSHIM_SCRIPT, clean_env, run
+from plugin_fixtures import DEVSHIM_SCRIPT, PYTHON, clean_env, run
 
 
 @pytest.fixture
@@ -25,7 +29,7 @@ def fresh(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "missing_build_tools", list)
     compiled = []
 
-    def compile_step(directory, name):
+    def compile_step(directory, name):  # directory: the build's private one, inside the build directory
         compiled.append(directory)
         (directory / f"{name}.so").write_bytes(b"")
 
@@ -37,7 +41,7 @@ def fresh(tmp_path, monkeypatch):
 def test_the_first_build_says_what_it_builds_where_and_how_long_before_and_how_long_it_took_after(fresh, capsys):
     library = build.load_extension()
     directory = build.build_directory()
-    assert fresh == [directory] and library.parent == directory
+    assert [private.parent for private in fresh] == [directory] and library.parent == directory
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == (f"devshim: building devshim's emulated npu device for ascend (DEVSHIM_EMULATE=ascend) into "
                         f"{directory}: a C++ extension compiled once per machine and torch version, which takes "
@@ -52,7 +56,7 @@ def test_a_later_run_loads_the_build_silently(fresh, capsys, monkeypatch):
     capsys.readouterr()
     monkeypatch.setattr(build, "_loaded", None)  # a new process
     build.load_extension()
-    assert fresh == [build.build_directory()]  # compiled once
+    assert [private.parent for private in fresh] == [build.build_directory()]  # compiled once
     assert capsys.readouterr().err == ""
 
 
@@ -64,26 +68,56 @@ def test_the_message_names_the_sophgo_device_or_no_vendor_when_none_was_asked_fo
     assert capsys.readouterr().err.startswith("devshim: building devshim's emulated device into ")
 
 
-def test_a_process_that_finds_another_building_says_it_waits_then_loads_that_build(fresh, capsys):
-    directory = build.build_directory()
-    directory.mkdir(parents=True)
+OTHER_PROCESS = """\
+import sys, time
+from pathlib import Path
+from devshim_emulation import build
+
+go = Path(sys.argv[1])
+
+def compile_step(directory, name):  # this process's build: done when the test says so
+    while not go.exists():
+        time.sleep(0.05)
+    (directory / f"{name}.so").write_bytes(b"")
+
+build.missing_build_tools = list
+build._compile = compile_step
+build._import_library = lambda path, name: path
+build.load_extension()
+"""
+
+
+def test_a_process_that_finds_another_building_names_it_waits_then_loads_that_build(fresh, capsys, tmp_path):
+    directory, go = build.build_directory(), tmp_path / "go"
+    env = clean_env(pythonpath=[Path(build.__file__).resolve().parents[1]],
+                    DEVSHIM_CACHE_DIR=os.environ["DEVSHIM_CACHE_DIR"])
+    other = subprocess.Popen([PYTHON, "-c", OTHER_PROCESS, str(go)], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
     loaded, said = [], []
-    with open(directory / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the other process, building
+    try:
+        deadline = time.monotonic() + 60
+        while build.build_state()[0] != "building" or not (directory / ".lock").read_text():  # its pid, recorded
+            assert other.poll() is None and time.monotonic() < deadline, "the other process never started building"
+            time.sleep(0.05)
         waiter = threading.Thread(target=lambda: loaded.append(build.load_extension()))
         waiter.start()
-        deadline = time.monotonic() + 30
         while "devshim: waiting" not in "".join(said):
             assert time.monotonic() < deadline, "load_extension never said that it waits"
             time.sleep(0.05)
             said.append(capsys.readouterr().err)
         assert waiter.is_alive()
-        (directory / f"{build.module_name()}.so").write_bytes(b"")  # the other process's build is done
-    waiter.join(30)
+        go.touch()  # the other process's build is done
+        waiter.join(30)
+        assert other.wait(30) == 0
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
     assert loaded and fresh == []  # it loaded the other process's build and compiled nothing
     said.append(capsys.readouterr().err)
-    assert "".join(said) == (f"devshim: waiting for another process that is building devshim's emulated npu device "
-                             f"for ascend (DEVSHIM_EMULATE=ascend) in {directory} (about a minute, once)\n")
+    assert "".join(said) == (f"devshim: waiting for process {other.pid} on host {socket.gethostname()} that is "
+                             f"building devshim's emulated npu device for ascend (DEVSHIM_EMULATE=ascend) in "
+                             f"{directory} (about a minute, once; devshim waits up to 10 minutes)\n")
 
 
 @pytest.mark.e2e
