@@ -225,13 +225,14 @@ def _print_integrations(as_json: bool) -> int:
     return 0
 
 
-def check(paths: list[str], as_json: bool) -> int:
-    """Scan without activating: 0 everything runs, 1 something cannot run, 2 a path could not be checked."""
+def check(paths: list[str], as_json: bool, only: str | None = None) -> int:
+    """Scan without activating: 0 everything runs, 1 something cannot run, 2 a path could not be checked.
+    ``only`` prints one category's findings, or ``problems`` (review and unsupported); the status is the same."""
     result = cuda_check.check_paths(paths, cuda_check.find_target())
     if as_json:
-        check_report.render_json(result)
+        check_report.render_json(result, only=only)
     else:
-        check_report.render_text(result)
+        check_report.render_text(result, only=only)
     check_report.render_errors(result)
     return result.exit_status
 
@@ -254,10 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     command = sub.add_parser("check", help="list a script's CUDA-only constructs: redirected, or what to change")
     command.add_argument("paths", nargs="+", metavar="PATH", help="Python files, or directories scanned for *.py")
     command.add_argument("--json", action="store_true", help="the findings as a JSON list")
+    command.add_argument("--only", choices=check_report.ONLY_CHOICES, metavar="WHAT",
+                         help="print only the findings that need you ('problems': review and unsupported) or one "
+                              f"category ({', '.join(check_report.ONLY_CHOICES[1:])}); counts and status are the same")
     args = parser.parse_args(argv)
     try:
         if args.command == "check":
-            return check(args.paths, args.json)
+            return check(args.paths, args.json, args.only)
         if args.command == "integrations":
             return _print_integrations(args.json)
         if args.command == "settings":

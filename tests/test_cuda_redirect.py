@@ -2,10 +2,11 @@
 selected device -- here the CPU, through the ``cpu_reference`` plugin.
 
 One section per table of ``devshim_core.integrations.cuda_redirect.coverage``: what each name does once devshim is
-activated. Each spec activates devshim in this pytest process (``DEVSHIM_PLUGIN=cpu_reference`` with two device
-slots, the DeepSpeed and Megatron integrations off so that only the redirect is under test), and leaves the process
-as it found it (the suite's own session, if there was one, is activated again). This torch has no CUDA: every
-``'cuda'`` below would raise without the redirect.
+activated (``CLASSES`` and ``STORAGE_METHODS``, which serve checkpoints, are specified with ``torch.load`` and
+``torch.save`` in ``tests/test_cuda_checkpoints.py``). Each spec activates devshim in this pytest process
+(``DEVSHIM_PLUGIN=cpu_reference`` with two device slots, the DeepSpeed and Megatron integrations off so that only the
+redirect is under test), and leaves the process as it found it (the suite's own session, if there was one, is
+activated again). This torch has no CUDA: every ``'cuda'`` below would raise without the redirect.
 """
 
 from __future__ import annotations
@@ -120,6 +121,12 @@ def covered_names() -> dict[str, Callable[[], Any]]:
         names[f"torch.Tensor.{name}"] = attribute(torch.Tensor, name)
     for name in coverage.MODULE_METHODS:
         names[f"torch.nn.Module.{name}"] = attribute(torch.nn.Module, name)
+    # coverage.CLASSES: torch.Generator is replaced by a subclass; UntypedStorage gets a __new__ of its own
+    names["torch.Generator"] = read(torch, "Generator")
+    names["torch.UntypedStorage.__new__"] = read(torch.UntypedStorage, "__new__")
+    assert {"Generator", "UntypedStorage"} == coverage.CLASSES, "a class added to the table: read it here too"
+    for name in coverage.STORAGE_METHODS:
+        names[f"torch.storage._StorageBase.{name}"] = read(torch.storage._StorageBase, name)
     for name in coverage.DISTRIBUTED:
         names[f"torch.distributed.{name}"] = read(dist, name)
         names[f"torch.distributed.distributed_c10d.{name}"] = read(c10d, name)
@@ -260,6 +267,7 @@ def test_set_device_minus_one_is_a_no_op_and_the_device_context_restores_the_pre
     assert torch.cuda.current_device() == 1
     with torch.cuda.device(None):  # None and negative indices select nothing, as in CUDA
         assert torch.cuda.current_device() == 1
+    assert isinstance(torch.cuda.device(0), torch.cuda.device)  # a class, as CUDA's: torch asks isinstance
 
 
 def test_synchronize_returns_with_or_without_a_device(cuda):

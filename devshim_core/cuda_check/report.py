@@ -5,11 +5,24 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Collection
 from typing import TextIO
 
-from devshim_core.cuda_check import CheckResult
-from devshim_core.cuda_check.rules import CATEGORIES
+from devshim_core.cuda_check import CheckResult, Finding
+from devshim_core.cuda_check.rules import CATEGORIES, PROBLEMS, Category
 from devshim_core.cuda_check.target import REDIRECT_SWITCH, Target
+
+# what ``--only`` takes: a category, or ``problems`` (what needs the user)
+ONLY_CHOICES: tuple[str, ...] = ("problems", *CATEGORIES)
+
+
+def shown_categories(only: str | None) -> Collection[Category]:
+    """The categories ``--only ONLY`` prints (all of them without it)."""
+    if only is None:
+        return CATEGORIES
+    if only == "problems":
+        return PROBLEMS
+    return [c for c in CATEGORIES if c == only]
 
 
 def header(target: Target) -> list[str]:
@@ -23,31 +36,48 @@ def header(target: Target) -> list[str]:
     return [where, f"CUDA redirect: {state} ({REDIRECT_SWITCH}, default on)"]
 
 
-def summary(result: CheckResult) -> str:
+def summary(result: CheckResult, only: str | None = None) -> str:
+    """Counts every finding, shown or not; the verdict separates what cannot run from what cannot run if reached."""
     counts = Counter(f.category for f in result.findings)
     tally = ", ".join(f"{counts[c]} {c}" for c in CATEGORIES)
+    unreached = sum(1 for f in result.findings if f.category == "unsupported" and f.if_reached)
+    if unreached:
+        tally += f" ({unreached} if reached)"
     files = f"{result.files} file{'s' if result.files != 1 else ''} scanned"
+    if only is not None:
+        files += f", only {only} shown"
     if result.errors:
         verdict = f"{len(result.errors)} path(s) could not be checked"
-    elif counts["unsupported"]:
+    elif counts["unsupported"] > unreached:
         verdict = "cannot run until the unsupported constructs are changed"
+    elif unreached:
+        verdict = "cannot run where the unsupported lines marked 'if reached' run: check their conditions"
     else:
         verdict = "can run through devshim" + ("; read the review items" if counts["review"] else "")
     return f"{files}: {tally} -- {verdict}"
 
 
-def render_text(result: CheckResult, out: TextIO | None = None) -> None:
+def line(f: Finding) -> str:
+    """``path:line:col: category: construct -- message``, the category followed by ``(if reached: CONDITION)``."""
+    where = f" (if reached: {f.if_reached})" if f.if_reached else ""
+    return f"{f.path}:{f.line}:{f.col}: {f.category}{where}: {f.construct} -- {f.message}"
+
+
+def render_text(result: CheckResult, out: TextIO | None = None, only: str | None = None) -> None:
     out = out or sys.stdout  # looked up per call: the stream may be replaced after import
-    for line in header(result.target):
-        print(line, file=out)
+    for text in header(result.target):
+        print(text, file=out)
+    shown = shown_categories(only)
     for f in result.findings:
-        print(f"{f.path}:{f.line}:{f.col}: {f.category}: {f.construct} -- {f.message}", file=out)
-    print(summary(result), file=out)
+        if f.category in shown:
+            print(line(f), file=out)
+    print(summary(result, only), file=out)
 
 
-def render_json(result: CheckResult, out: TextIO | None = None) -> None:
+def render_json(result: CheckResult, out: TextIO | None = None, only: str | None = None) -> None:
     out = out or sys.stdout
-    json.dump([f.as_dict() for f in result.findings], out, indent=2)
+    shown = shown_categories(only)
+    json.dump([f.as_dict() for f in result.findings if f.category in shown], out, indent=2)
     print(file=out)
 
 

@@ -3,33 +3,55 @@
 Each finding falls in exactly one category:
 
 - ``redirected``: devshim's CUDA redirect serves it on the selected device;
-- ``provided``: a CUDA extension import that devshim's Megatron integration provides or guards;
+- ``provided``: a CUDA extension module devshim provides: the import works;
+- ``blocked``: a guarded import of a module devshim blocks off CUDA: it raises, and the script's fallback runs;
 - ``review``: it runs, but answers differently than on CUDA;
 - ``unsupported``: it cannot run off CUDA; the script must change (exit status 1).
+
+``review`` and ``unsupported`` are the problems: what needs the user (``--only problems``).
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from devshim_core.integrations.cuda_redirect import coverage
 
-Category = Literal["redirected", "provided", "review", "unsupported"]
-CATEGORIES: tuple[Category, ...] = ("redirected", "provided", "review", "unsupported")
+Category = Literal["redirected", "provided", "blocked", "review", "unsupported"]
+CATEGORIES: tuple[Category, ...] = ("redirected", "provided", "blocked", "review", "unsupported")
+PROBLEMS: tuple[Category, ...] = ("review", "unsupported")
 
-# CUDA extension modules that devshim's Megatron integration provides (or guards) when megatron-core is installed:
-# importing them is fine on any plugin's device. A module matches itself and everything under it.
-PROVIDED_BY_MEGATRON_INTEGRATION: frozenset[str] = frozenset({
-    "fused_weight_gradient_mlp_cuda", "amp_C", "fused_layer_norm_cuda", "apex.normalization",
-    "scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda",
-    "apex.multi_tensor_apply",
-})
-PROVIDED_MESSAGE = "provided by devshim's Megatron integration when megatron-core is installed"
+# CUDA extension modules devshim's Megatron integration provides (extension_modules.provided builds them for the device,
+# so they are named here; tests/test_cuda_check.py imports each under devshim). The megatron-core stand-in it also
+# provides when triton is missing is Megatron's own module, not a CUDA extension a script imports.
+PROVIDED: dict[str, str] = {
+    "fused_weight_gradient_mlp_cuda": "provided by devshim's Megatron integration (on the plugin's wgrad_accumulate) "
+                                      "when Megatron is importable",
+}
+
+# Modules devshim blocks off CUDA, read from the blocker's own table: importing one (or anything under it) raises
+# ModuleNotFoundError with the reason. Megatron guards each import with a torch fallback.
+@functools.cache
+def blocked_modules() -> dict[str, str]:
+    """Module -> why devshim blocks it: devshim's own table, read when first needed (it imports torch, which
+    ``devshim --version`` and ``devshim check``'s argument parsing must not)."""
+    from devshim_core.integrations.megatron import extension_modules
+
+    return dict(extension_modules.BLOCKED)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BLOCKED":
+        return blocked_modules()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _SDPA = "use torch.nn.functional.scaled_dot_product_attention"
-# CUDA-only packages: a script importing them must change. A module matches itself and everything under it.
-UNSUPPORTED_MODULES: dict[str, str] = {
+# What to use instead, for a blocked module or another CUDA-only package. A module matches itself and everything
+# under it; the longest match wins.
+ADVICE: dict[str, str] = {
     "transformer_engine": "Transformer Engine is CUDA-only; use Megatron's local (non-TE) layer specs and plain torch",
     "flash_attn": f"FlashAttention's kernels are CUDA-only; {_SDPA}",
     "xformers": f"xFormers' kernels are CUDA-only; {_SDPA}",
@@ -37,21 +59,81 @@ UNSUPPORTED_MODULES: dict[str, str] = {
     "cupy": "CuPy arrays live in CUDA memory; use torch tensors",
     "pynvml": "NVML queries NVIDIA's driver; use the torch.cuda memory and device queries, which are redirected",
     "bitsandbytes": "bitsandbytes' kernels are CUDA-only; use unquantized layers and a torch.optim optimizer",
+    "apex": "apex's kernels are CUDA-only; use the torch equivalents",
     "apex.amp": "apex.amp is CUDA-only (and deprecated); use torch.autocast and torch.amp.GradScaler",
     "apex.parallel": "apex.parallel is CUDA-only; use torch's DistributedDataParallel and torch.nn.SyncBatchNorm",
     "apex.contrib": "apex.contrib's kernels are CUDA-only; replace them with their PyTorch equivalents",
     "apex.optimizers": "apex's fused optimizers are CUDA-only; use torch.optim or the DeepSpeed config's optimizer",
+    "apex.normalization": "apex's fused norms are CUDA-only; use torch.nn.LayerNorm or torch.nn.RMSNorm",
+    "apex.multi_tensor_apply": "apex's multi_tensor_applier is CUDA-only; use torch's _foreach_* ops",
+    "amp_C": "apex's amp_C kernels are CUDA-only; use torch's _foreach_* ops and torch.nn.utils.clip_grad_norm_",
+    "fused_layer_norm_cuda": "a CUDA extension; use torch.nn.functional.layer_norm",
+    "fused_mix_prec_layer_norm_cuda": "a CUDA extension; use torch.nn.functional.layer_norm",
+    "scaled_masked_softmax_cuda": "a CUDA extension; use torch.softmax on the masked scores",
+    "scaled_upper_triang_masked_softmax_cuda": "a CUDA extension; use torch.softmax on the masked scores",
+    "scaled_softmax_cuda": "a CUDA extension; use torch.softmax",
     "torch.cuda.jiterator": coverage.UNSERVED_CUDA["jiterator"],
 }
 
-# an import inside ``try: ... except ImportError:`` has a fallback: the script still runs, on the fallback
+
+@dataclass(frozen=True)
+class ModuleRule:
+    """What importing ``module`` does under devshim; ``key`` is the table entry that matched (``apex.amp`` for
+    ``apex.amp.handle``), ``top`` the top-level name a blocked import is refused by."""
+
+    key: str
+    kind: Literal["provided", "blocked", "cuda_only"]
+    advice: str
+
+    @property
+    def top(self) -> str:
+        return self.key.partition(".")[0]
+
+
+# an unguarded import of a blocked module raises; a guard whose except clause re-raises (or exits) has no fallback
+BLOCKED_IMPORT_MESSAGE = "devshim blocks {top} off CUDA, so this import raises ModuleNotFoundError{reraised}; {advice}"
+BLOCKED_RERAISED = " and the except clause at line {line} re-raises it (no fallback)"
+RERAISED_MESSAGE = "{advice} (the except clause at line {line} re-raises the import error: no fallback)"
+# a guard with a fallback: the blocked import raises and the script goes on without the module, as Megatron does
+BLOCKED_FALLBACK_MESSAGE = ("devshim blocks {top} off CUDA: the import raises ModuleNotFoundError and the except "
+                            "clause at line {line} runs instead")
+# without Megatron devshim neither provides nor blocks: these imports are as for any CUDA-only package
+NOT_PROVIDED_MESSAGE = ("devshim provides {module} only where Megatron is importable, and it is not here; install "
+                        "megatron-core (or Megatron's checkout) where this runs")
+# a package devshim does not block: if it is installed the import succeeds and its CUDA-only code runs
 GUARDED_IMPORT_MESSAGE = "{why}; the import is guarded by an except clause, so check that the fallback does the job"
 IMPORT_ERRORS: frozenset[str] = frozenset({"ImportError", "ModuleNotFoundError", "Exception", "BaseException"})
+EXITS: frozenset[str] = frozenset({"sys.exit", "os._exit", "exit", "quit"})  # in an except clause: no fallback
+
+# torch.load(map_location='cuda' | 'cuda:N' | {...: 'cuda'}): served by the redirect's checkpoint locations
+# (cuda_redirect/serialization.py maps CUDA storage locations to the selected device)
+MAP_LOCATION_MESSAGE = "torch.load puts the checkpoint's tensors on {device}"
 
 # the torch.utils.cpp_extension builders: CUDAExtension always needs nvcc; load/load_inline only with CUDA sources
 CPP_EXTENSION = "torch.utils.cpp_extension"
 CUDA_EXTENSION_MESSAGE = "builds CUDA sources with nvcc; port the kernel to the plugin's SDK or write the op in PyTorch"
 CUDA_SOURCE = re.compile(r"\.(cu|cuh)$")
+
+# torch.cuda names the redirect's tables do not list and that raise on a torch without CUDA, under devshim too (they
+# reach torch._C's CUDA bindings, the CUDA runtime or NVML; tests/test_cuda_check.py calls each under devshim). Keyed
+# by what follows torch.cuda; a name the redirect's tables list is classified by them first.
+_ALLOCATOR_HISTORY = ("the CUDA caching allocator's history and snapshots do not exist off CUDA; use torch.profiler "
+                      "with profile_memory=True")
+_NVML = "NVML queries NVIDIA's driver; remove the call"
+CUDA_ONLY_NAMES: dict[str, str] = {
+    "memory._record_memory_history": _ALLOCATOR_HISTORY,
+    "memory._snapshot": _ALLOCATOR_HISTORY,
+    "memory._dump_snapshot": _ALLOCATOR_HISTORY,
+    "memory.memory_snapshot": _ALLOCATOR_HISTORY,
+    "memory_snapshot": _ALLOCATOR_HISTORY,
+    "check_error": "checks a CUDA runtime status code, and the CUDA runtime is not present; remove the call",
+    "get_allocator_backend": "the CUDA caching allocator is not present; remove the call",
+    "set_per_process_memory_fraction": "the CUDA caching allocator is not present; use the plugin's memory settings",
+    "memory_usage": _NVML,
+    "temperature": _NVML,
+    "power_draw": _NVML,
+    "clock_rate": _NVML,
+}
 
 # review: attribute chains that run but mean nothing (or something else) off CUDA
 REVIEW_PREFIXES: dict[str, str] = {
@@ -76,14 +158,36 @@ DEVICE_INDEX_NAME = re.compile(r"(.*_)?(rank|gpu|gpu_id|device_id|device_index)"
 REDIRECT_OFF_MESSAGE = "DEVSHIM_REDIRECT_CUDA=0 turns the redirect off"
 
 
-def module_rule(module: str) -> tuple[Category, str] | None:
-    """The category and message for importing ``module`` (or using a name under it), or ``None``."""
+def module_rule(module: str) -> ModuleRule | None:
+    """What importing ``module`` (or using a name under it) does under devshim, or ``None`` if nothing to say."""
     for prefix in _prefixes(module):
-        if prefix in PROVIDED_BY_MEGATRON_INTEGRATION:
-            return "provided", PROVIDED_MESSAGE
-        if prefix in UNSUPPORTED_MODULES:
-            return "unsupported", UNSUPPORTED_MODULES[prefix]
-    return None
+        if prefix in PROVIDED:
+            return ModuleRule(prefix, "provided", PROVIDED[prefix])
+    key = next((p for p in _prefixes(module) if p in ADVICE), None)
+    top = module.partition(".")[0]
+    if top in blocked_modules():
+        return ModuleRule(key or top, "blocked", ADVICE[key] if key else blocked_modules()[top])
+    return ModuleRule(key, "cuda_only", ADVICE[key]) if key else None
+
+
+def import_rule(rule: ModuleRule, guard: tuple[int, bool] | None, megatron: bool = True) -> tuple[Category, str]:
+    """The category and message of an import matching ``rule``; ``guard``: the innermost try block whose except
+    clause catches the import error, as (the clause's line, whether it re-raises or exits), or ``None``;
+    ``megatron``: whether Megatron is importable, so that devshim provides and blocks modules."""
+    if not megatron and rule.kind != "cuda_only":
+        advice = NOT_PROVIDED_MESSAGE.format(module=rule.key) if rule.kind == "provided" else rule.advice
+        rule = ModuleRule(rule.key, "cuda_only", advice)
+    if rule.kind == "provided":
+        return "provided", rule.advice
+    line, reraises = guard or (0, True)
+    if rule.kind == "blocked":
+        if not reraises:
+            return "blocked", BLOCKED_FALLBACK_MESSAGE.format(top=rule.top, line=line)
+        reraised = BLOCKED_RERAISED.format(line=line) if guard else ""
+        return "unsupported", BLOCKED_IMPORT_MESSAGE.format(top=rule.top, reraised=reraised, advice=rule.advice)
+    if not reraises:
+        return "review", GUARDED_IMPORT_MESSAGE.format(why=rule.advice)
+    return "unsupported", RERAISED_MESSAGE.format(advice=rule.advice, line=line) if guard else rule.advice
 
 
 def _prefixes(dotted: str) -> list[str]:
@@ -107,6 +211,9 @@ def torch_cuda_rule(path: list[str]) -> tuple[Category, str]:
         return "redirected", f"a {coverage.TENSOR_TYPES[head]} tensor type on {{device}}"
     if head in coverage.DEVICE_FUNCTIONS or head in coverage.INTERNALS:
         return "redirected", "answered by {device}'s device module"
+    for key in (".".join(path[:2]), head):
+        if key in CUDA_ONLY_NAMES:
+            return "unsupported", CUDA_ONLY_NAMES[key]
     name = ".".join(["torch.cuda", head, *rest[:1]])
     return "review", f"{name} is not redirected; check what it does without CUDA"
 

@@ -32,6 +32,9 @@ class Target:
     visible_devices_env: str | None = None
     reason: str = ""
     emulated: str | None = None  # DEVSHIM_EMULATE's vendor: the device is devshim's emulation, not hardware
+    # devshim's Megatron integration provides and blocks the CUDA extension modules here: Megatron is importable and
+    # the integration is not switched off (without it a CUDA-only package imports, if installed, and fails when used)
+    megatron: bool = True
 
     @property
     def device(self) -> str:
@@ -51,15 +54,32 @@ def redirect_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return parse_bool(os.environ if environ is None else environ, REDIRECT_SWITCH, True)
 
 
+# what DEVSHIM_DISABLE names to leave the extension modules alone: the integration, its set, or the set's one patch
+_EXTENSION_MODULES_OFF = ("megatron", "megatron-extension-modules", "megatron-extension-modules:cuda-extension-modules")
+
+
+def _megatron_modules(settings: Settings | None) -> bool:
+    """Whether devshim provides and blocks the CUDA extension modules: Megatron is found on disk (never run), and
+    neither the Megatron integration, nor the redirect it needs, nor its module set is switched off."""
+    from devshim_core.integrations.megatron.install import _megatron_present
+
+    if settings is not None and (settings.switched_off("megatron") or settings.switched_off("cuda-redirect")
+                                 or any(name in settings.disable for name in _EXTENSION_MODULES_OFF)):
+        return False
+    return _megatron_present()
+
+
 def find_target(environ: Mapping[str, str] | None = None) -> Target:
     """Discover and select as ``devshim plugins`` does; never raises for a selection problem."""
     redirect = redirect_enabled(environ)
+    megatron = _megatron_modules(None)
     try:
         settings = Settings.from_env(environ)
+        megatron = _megatron_modules(settings)
         registry = discover(settings)
         record = select(registry, settings).plugin
     except DevshimError as exc:
-        return Target(redirect=redirect, reason=str(exc).splitlines()[0])
+        return Target(redirect=redirect, reason=str(exc).splitlines()[0], megatron=megatron)
     assert record.report is not None
     try:  # a plugin's collectives hook may fail on a broken install; the device type is still known
         spec = registry.call(record, "devshim_collectives", report=record.report) or CollectivesSpec("gloo")
@@ -70,4 +90,4 @@ def find_target(environ: Mapping[str, str] | None = None) -> Target:
         visible = spec.visible_devices_envs[0] if spec.visible_devices_envs else "DEVSHIM_VISIBLE_DEVICES"
     return Target(redirect=redirect, plugin=record.name, device_type=record.report.device_type,
                   backend=spec.backend if isinstance(spec, CollectivesSpec) else None,
-                  visible_devices_env=visible, emulated=settings.emulate)
+                  visible_devices_env=visible, emulated=settings.emulate, megatron=megatron)

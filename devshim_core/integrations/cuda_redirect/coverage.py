@@ -17,6 +17,7 @@ DEVICE_FUNCTIONS: frozenset[str] = frozenset({
     "memory_stats", "empty_cache", "mem_get_info",
     "get_device_name", "get_device_properties", "get_device_capability", "is_bf16_supported",
     "is_initialized", "init", "is_current_stream_capturing", "ipc_collect", "device", "default_generators",
+    "utilization",  # the vendor module's where it has one; refused, naming the call, where it has none
 })
 
 # torch.cuda internals that frameworks call and that must not queue work forever on a torch without CUDA
@@ -42,6 +43,11 @@ FACTORIES: frozenset[str] = frozenset({
     "linspace", "logspace", "eye", "tensor", "as_tensor", "asarray", "scalar_tensor", "tril_indices",
     "triu_indices", "normal", "frombuffer", "set_default_device",
 })
+# torch classes whose constructor's ``device=`` is mapped; they stay classes (isinstance keeps working)
+CLASSES: frozenset[str] = frozenset({"Generator", "UntypedStorage"})
+# storage methods whose ``device=`` is mapped (``storage.cuda()`` calls ``to``): a map_location function's
+# ``lambda storage, loc: storage.cuda(1)`` reaches the selected device
+STORAGE_METHODS: frozenset[str] = frozenset({"to"})
 TENSOR_METHODS: frozenset[str] = frozenset({"to", "cuda", "type", "new_empty", "new_zeros", "new_ones",
                                            "new_full", "new_tensor"})
 MODULE_METHODS: frozenset[str] = frozenset({"to", "cuda", "to_empty"})

@@ -12,26 +12,39 @@ from typing import Any
 import torch
 
 from devshim_core.device import Device
+from devshim_core.errors import DevshimError
 from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
 
 
 class _DeviceContext:
-    """``torch.cuda.device(i)``: make ``i`` current inside the block, restore the previous one after."""
+    """``torch.cuda.device(i)``: make ``i`` current inside the block, restore the previous one after. A class, as
+    CUDA's is: torch asks ``isinstance(x, torch.cuda.device)`` (``torch.cuda._utils._get_device_index``, which
+    ``torch.load`` reaches). ``None`` and a negative index select nothing, as in CUDA."""
 
-    def __init__(self, facade: Device, devices: DeviceMap, spec: Any) -> None:
-        self._facade = facade
-        self._index = None if spec is None or (type(spec) is int and spec < 0) else devices.index(spec)
-        self._previous: int | None = None
+    _facade: Device
+    _devices: DeviceMap
+
+    def __init__(self, device: Any) -> None:
+        no_op = device is None or (type(device) is int and device < 0)
+        self.idx = -1 if no_op else self._devices.index(device)  # CUDA's attribute names
+        self.prev_idx = -1
 
     def __enter__(self) -> _DeviceContext:
-        if self._index is not None:
-            self._previous = self._facade.current_device()
-            self._facade.set_device(self._index)
+        if self.idx >= 0:
+            self.prev_idx = self._facade.current_device()
+            self._facade.set_device(self.idx)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            self._facade.set_device(self._previous)
+        if self.prev_idx >= 0:
+            self._facade.set_device(self.prev_idx)
+            self.prev_idx = -1
+
+
+def device_class(d: Device, devices: DeviceMap) -> type:
+    """``torch.cuda.device`` on ``d``: a class of its own per facade."""
+    return type("device", (_DeviceContext,), {"_facade": d, "_devices": devices, "__module__": "torch.cuda",
+                                              "__qualname__": "device", "__doc__": _DeviceContext.__doc__})
 
 
 class _MadeBy(type):
@@ -74,6 +87,21 @@ def _properties(d: Device, devices: DeviceMap) -> Callable[..., Any]:
             uuid=f"{d.type}-{index}", max_threads_per_multi_processor=1, regs_per_multiprocessor=0)
 
     return get_device_properties
+
+
+def _utilization(d: Device, devices: DeviceMap) -> Callable[..., Any]:
+    """The vendor module's ``utilization`` where it has one (torch_npu's); refused by name where it has none."""
+    vendor = getattr(d.module, "utilization", None)
+
+    def utilization(device: Any = None) -> Any:
+        if vendor is None:
+            raise DevshimError(
+                f"torch.cuda.utilization() has no answer on {d.type} (devshim plugin {d.plugin}): CUDA reads it from "
+                f"NVML, and the {d.plugin} plugin's device module reports no utilization. Remove the call, or read "
+                "the device's own monitoring tool.")
+        return vendor(devices.index(device))
+
+    return utilization
 
 
 def replacements(d: Device, devices: DeviceMap) -> dict[str, Any]:
@@ -164,7 +192,8 @@ def replacements(d: Device, devices: DeviceMap) -> dict[str, Any]:
         "init": lambda: None,
         "is_current_stream_capturing": lambda: False,  # nothing is ever captured: graphs are not served
         "ipc_collect": lambda: None,
-        "device": lambda device: _DeviceContext(d, devices, device),
+        "device": device_class(d, devices),
+        "utilization": _utilization(d, devices),
         "default_generators": getattr(module, "default_generators", None) or (torch.default_generator,),
         # internals: CUDA defers seeding until it is initialised; a device without CUDA must run them now,
         # or the seeds (Megatron's tensor-parallel RNG tracker) are queued forever and silently lost

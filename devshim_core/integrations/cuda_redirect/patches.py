@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from devshim_core.device import Device
-from devshim_core.integrations.cuda_redirect import coverage, wrappers
+from devshim_core.integrations.cuda_redirect import coverage, serialization, wrappers
 from devshim_core.integrations.cuda_redirect.cuda_module import nvtx_replacements, replacements
 from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
 from devshim_core.integrations.cuda_redirect.tensor_types import tensor_type, typed_tensor_classes
@@ -101,6 +101,24 @@ def patch_set(device: Device) -> PatchSet:
                 "cuda": wrappers.module_cuda(originals["cuda"], devices),
                 "to_empty": wrappers.device_keyword(originals["to_empty"], devices, native=False)},
             reason="model.cuda() and model.to('cuda'/N) move the model to the selected device"),
+        SetAttributes(
+            name="Generator", target="torch", names=("Generator",),
+            make=each(lambda n, o: wrappers.generator_class(o, devices)),
+            reason="torch.Generator(device='cuda') makes the selected device's generator; still a class, and every "
+                   "generator (torch.default_generator too) is an instance of it"),
+        SetAttributes(
+            name="UntypedStorage", target="torch:UntypedStorage", names=("__new__",),
+            make=lambda originals, _device: {
+                "__new__": staticmethod(wrappers.device_keyword(originals["__new__"], devices, native=False))},
+            reason="torch.UntypedStorage(n, device='cuda') allocates on the selected device (TypedStorage's "
+                   "constructor calls it)"),
+        SetAttributes(
+            name="storage.to", target="torch.storage:_StorageBase", names=tuple(sorted(coverage.STORAGE_METHODS)),
+            make=lambda originals, _device: {
+                n: wrappers.device_keyword(originals[n], devices, native=False) for n in originals},
+            reason="storage.to(device='cuda') and storage.cuda(N) (a map_location function's "
+                   "`lambda s, loc: s.cuda(1)`) reach the selected device"),
+        *serialization.patches(),
         SetAttributes(
             name="autocast", target="torch.amp.autocast_mode:autocast", names=("__init__",),
             make=lambda originals, _device: {"__init__": wrappers.autocast_init(originals["__init__"], devices)},

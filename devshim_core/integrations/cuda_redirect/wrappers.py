@@ -224,3 +224,27 @@ def custom_amp(original: Callable[..., Any], devices: DeviceMap) -> Callable[...
         return original(*args, **kwargs)
 
     return _marked(call, original)
+
+
+def _instances_of_base(cls: Any, instance: Any) -> bool:
+    return isinstance(instance, cls.base)
+
+
+def _subclasses_of_base(cls: Any, subclass: type) -> bool:
+    return issubclass(subclass, cls.base)
+
+
+def generator_class(original: type, devices: DeviceMap) -> type:
+    """``torch.Generator(device='cuda')``: the selected device's generator. ``torch.Generator`` is a C type that cannot
+    be patched in place; the replacement is a subclass (a class, as the original) whose construction returns the
+    original's own instance, made on the mapped device. Its metaclass derives from the original's (torch gives it
+    one) and makes every generator torch makes (``torch.default_generator``, the vendor's) an instance of it."""
+
+    def __new__(cls: type, device: Any = None) -> Any:
+        return original() if device is None else original(devices(device))
+
+    meta = type(original)
+    meta = type(f"Devshim{meta.__name__}", (meta,), {"__instancecheck__": _instances_of_base,
+                                                     "__subclasscheck__": _subclasses_of_base})
+    return meta("Generator", (original,), {"__new__": __new__, "base": original, "__module__": "torch",
+                                           "__doc__": original.__doc__, "__devshim_original__": original})
