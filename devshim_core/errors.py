@@ -47,3 +47,9 @@ class CollectiveMismatchError(CollectiveError):
     """The ranks of one collective made different calls (size, dtype, op or collective): raised on every rank at
     that call, listing each rank's call, where gloo would fail ("doesn't match expected size"), hang or return a
     wrong sum. No rank's tensor was changed."""
+
+
+class CheckpointError(DevshimError):
+    """A checkpoint could not be saved (its disk or ``/dev/shm`` is full, a file size limit was reached), or would load
+    wrong values (a file's bytes differ from the checksum devshim recorded when it was saved, or it is truncated or
+    unreadable). The message names the file, the rank and what to do; the framework's own error, if any, is chained."""
