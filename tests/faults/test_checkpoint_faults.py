@@ -39,7 +39,6 @@ import deepspeed
 # isort: on
 import pytest
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
@@ -54,22 +53,7 @@ MODEL = "mp_rank_00_model_states.pt"
 DEVSHIM = str(Path(sys.executable).with_name("devshim"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank() -> Iterator[None]:
-    """This process as rank 0 of 1, as a launcher starts it, for every engine and dist_checkpointing call here."""
-    import deepspeed.comm
-
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
-            env.setenv(name, value)
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            if deepspeed.comm.is_initialized():
-                deepspeed.comm.destroy_process_group()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank")  # tests/faults/conftest.py
 
 
 @contextlib.contextmanager
