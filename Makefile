@@ -110,13 +110,15 @@ $(DOCS_STAMP): requirements-docs.txt
 
 # the docs site, built strictly (a broken link, anchor or docstring reference fails) into build/site; the patch
 # table is first rewritten from the registry: docs/patches.md's header is kept, the rows below it regenerated; and the
-# user guide's table of DEVSHIM_* switches from their declarations (devshim_core/switches.py)
+# user guide's table of DEVSHIM_* switches from their declarations (devshim_core/switches.py), and the CUDA guide's
+# table of what the redirect serves from its coverage (devshim_core/integrations/cuda_redirect/coverage.py)
 docs: $(STAMP) $(DOCS_STAMP)
 	mkdir -p build
 	{ sed '/^| set |/,$$d' docs/patches.md && \
 		PYTHONWARNINGS=ignore DEVSHIM_PLUGIN=cpu_reference $(VENV)/bin/devshim patches --markdown; } > build/patches.md
 	mv build/patches.md docs/patches.md
 	$(PY) docs_support/settings_table.py docs/user-guide.md
+	$(PY) docs_support/cuda_table.py docs/cuda-scripts.md
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir build/site
 
 # ruff, then mypy over devshim_core, the kernels, the plugins and the emulator ([tool.mypy] in pyproject.toml; its

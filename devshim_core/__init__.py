@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         CollectivesSpec,
         DeviceReport,
         DeviceTraits,
+        EnvironmentMap,
         FusedKernels,
         OffloadIO,
         OptimizerKernels,
@@ -38,6 +39,7 @@ _EXPORTS = {
     "CollectivesSpec": "devshim_core.records",
     "DeviceReport": "devshim_core.records",
     "DeviceTraits": "devshim_core.records",
+    "EnvironmentMap": "devshim_core.records",
     "OffloadIO": "devshim_core.records",
     "OptimizerKernels": "devshim_core.records",
 }
@@ -48,6 +50,7 @@ __all__ = [
     "CollectivesSpec",
     "DeviceReport",
     "DeviceTraits",
+    "EnvironmentMap",
     "FusedKernels",
     "OffloadIO",
     "OptimizerKernels",

@@ -107,6 +107,7 @@ def info_report() -> dict[str, Any]:
         importlib.import_module("deepspeed")  # fires the armed patches, so the report shows what a script gets
     report.update(api.activate().as_dict())  # the session activated above, as it stands now
     report["host"] = host_report.collect(session)
+    report["environment"] = host_report.environment(session)
     return report
 
 
@@ -169,6 +170,14 @@ def _print_host(host: dict[str, Any]) -> None:
         print(f"  {'runtime':<14} ({runtime['plugin']}) {read}")
 
 
+def _print_environment(environment: dict[str, Any]) -> None:
+    print(f"environment (the job's CUDA/NCCL settings on the {environment['plugin']} device):")
+    if not environment["translations"]:
+        print("  none set")
+    for translation in environment["translations"]:
+        print(f"  {translation['summary']}")
+
+
 def _print_info(report: dict[str, Any]) -> None:
     if report.get("emulation"):
         print(f"!! {report['emulation']}")
@@ -193,6 +202,8 @@ def _print_info(report: dict[str, Any]) -> None:
                 print(f"  {area} kernels from {source}")
         offload = d["offload_io"]
         print(f"  offload file I/O (NVMe offload): {offload['source'] or ('yes' if offload['file_io'] else 'none')}")
+    if report.get("environment") is not None:
+        _print_environment(report["environment"])
     if "integrations" in report:
         print("integrations:")
         for name, status in report["integrations"].items():

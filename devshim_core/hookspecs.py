@@ -1,6 +1,7 @@
-"""The contract between devshim and a device plugin: ten hooks, detection first.
+"""The contract between devshim and a device plugin: eleven hooks, detection first.
 
-Detection (``devshim_detect``); the device (``devshim_device_module``, ``devshim_device_traits``); collectives,
+Detection (``devshim_detect``); the job's CUDA/NCCL environment in the vendor's variables
+(``devshim_environment_map``); the device (``devshim_device_module``, ``devshim_device_traits``); collectives,
 allocator, optimizer kernels, offload file I/O, attention and fused ops (one hook each); the vendor runtime's
 versions for reports; and the plugin's own patches.
 
@@ -17,6 +18,8 @@ How the core calls the hooks:
   does not answer in time is recorded as broken and skipped, and named on stderr if a lower-priority plugin is
   selected instead. It must be cheap and must never import a vendor SDK speculatively: some of them abort the
   interpreter when their runtime is missing.
+- ``devshim_environment_map`` is called on the *selected* plugin only, once per activation, before the device
+  facade is built (so before the vendor runtime reads its variables).
 - Every other hook is called on the *selected* plugin only, once, when the device facade is built;
   the facade binds the returned callables and never calls the hook again. A ``None`` answer (or no
   implementation) means "not provided": the core falls back as each hook says, or stops with a
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
         DeviceModule,
         DeviceReport,
         DeviceTraits,
+        EnvironmentMap,
         FusedKernels,
         OffloadIO,
         OptimizerKernels,
@@ -69,6 +73,28 @@ def devshim_detect() -> DeviceReport | None:
     interrupted, its answer is ignored.
 
     Return: the report; ``device_count`` >= 1 when ``available``. ``None`` marks the plugin broken.
+    """
+
+
+# -- the job's environment -----------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def devshim_environment_map(report: DeviceReport) -> EnvironmentMap | None:
+    """Map the CUDA/NCCL variables of a job script to the vendor runtime's own (``CUDA_VISIBLE_DEVICES`` ->
+    ``ASCEND_RT_VISIBLE_DEVICES``, ``PYTORCH_CUDA_ALLOC_CONF`` -> ``PYTORCH_NPU_ALLOC_CONF``, ``NCCL_*`` and
+    ``TORCH_NCCL_*`` -> ``HCCL_*``), which the vendor runtime reads and the CUDA names never reach.
+
+    Contract: map only what the vendor documents an equivalent for, and convert values whose format differs (drop
+    allocator keys the vendor does not read, saying so in the converter's note). Pure data: read nothing, set
+    nothing; the core sets each mapped variable at activation, before the device facade is built, unless the user
+    set the vendor variable already (theirs wins), reverts what it set when devshim deactivates, and detects the
+    device again when it set anything, so the report counts what the runtime now sees. ``devshim info`` reports
+    every translation; the CUDA/NCCL settings present that the map neither translates nor ignores are named in one
+    warning.
+
+    Return: an :class:`EnvironmentMap`. ``None`` (the ``cuda`` plugin's answer: CUDA reads its own variables) means
+    the core translates nothing and warns about nothing.
     """
 
 

@@ -2,9 +2,10 @@
 bug report needs.
 
 The operating system, CPUs, memory, ``/dev/shm``, the C and C++ compilers and ninja (what the native builds need),
-the emulated device's build cache, and the versions of the vendor software under the selected plugin's device (its
-``devshim_runtime_versions`` hook). Everything is read from files, ``os`` and short ``--version`` calls: nothing here
-builds, imports a torch extension or initialises a device.
+the emulated device's build cache, the versions of the vendor software under the selected plugin's device (its
+``devshim_runtime_versions`` hook), and what became of the job's CUDA/NCCL settings there (:func:`environment`).
+Everything is read from files, ``os`` and short ``--version`` calls: nothing here builds, imports a torch extension or
+initialises a device.
 """
 
 from __future__ import annotations
@@ -152,6 +153,13 @@ def runtime_versions(registry: Any, record: Any) -> dict[str, Any]:
         return facts
     facts["versions"] = dict(answer)
     return facts
+
+
+def environment(session: Any) -> dict[str, Any] | None:
+    """What became of the job's CUDA/NCCL settings on the selected plugin's device (``None`` when the plugin declares
+    no mapping, as on CUDA): each translation, kept vendor variable, untranslatable or ignored setting."""
+    migration = getattr(session, "environment", None)
+    return None if migration is None else migration.as_dict()
 
 
 def collect(session: Any = None) -> dict[str, Any]:

@@ -44,7 +44,7 @@ class HostEvent:
     """An event that timestamps the host clock when recorded; ``elapsed_time`` is in milliseconds."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
-                 **kwargs: Any) -> None:
+                 external: bool = False, **kwargs: Any) -> None:  # torch.cuda.Event's parameters, in its order
         self.enable_timing = enable_timing
         self._time: float | None = None
 

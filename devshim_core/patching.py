@@ -20,7 +20,7 @@ import re
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -407,6 +407,17 @@ class RebindReferences(Patch):
     def target_description(self) -> str:
         return f"{self.scope}.* (stale references)" if self.scope != "*" else "every loaded module (stale references)"
 
+    def namespaces(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """``(name, vars(module))`` of each loaded module in scope."""
+        for module_name, module in list(sys.modules.items()):
+            if module is None or not self._in_scope(module_name):
+                continue
+            try:
+                namespace = vars(module)
+            except TypeError:  # sys.modules may hold objects without a namespace
+                continue
+            yield module_name, namespace
+
     def _in_scope(self, module_name: str) -> bool:
         if any(module_name == e or module_name.startswith(e + ".") for e in self.exclude):
             return False
@@ -418,13 +429,7 @@ class RebindReferences(Patch):
                    if old is not new and old is not None and not isinstance(old, (bool, int, float, str, bytes))}
         done: list[tuple[Any, str, Any]] = []
         if mapping:
-            for module_name, module in list(sys.modules.items()):
-                if module is None or not self._in_scope(module_name):
-                    continue
-                try:
-                    namespace = vars(module)
-                except TypeError:  # sys.modules may hold objects without a namespace
-                    continue
+            for _module_name, namespace in self.namespaces():
                 for key, value in list(namespace.items()):
                     hit = mapping.get(id(value))
                     if hit is not None and hit[0] is value:

@@ -93,3 +93,29 @@ def check_record(record: Any, plugin: str, hook: str) -> None:
         if problem:
             raise PluginError(f"plugin {plugin!r}: {hook} returned {type(record).__name__} whose field "
                               f"{field.name} {problem}.")
+
+
+def check_environment_map(record: Any, plugin: str, hook: str) -> None:
+    """Beyond the field types: an :class:`~devshim_core.records.EnvironmentMap` maps CUDA/NCCL names only, to
+    variable names, and converts only what it maps; raise :class:`PluginError` naming the first entry that does not."""
+    from devshim_core.env_migration import is_source
+    from devshim_core.records import EnvironmentMap
+
+    if not isinstance(record, EnvironmentMap):
+        raise PluginError(f"plugin {plugin!r}: {hook} returned {type(record).__name__}, expected EnvironmentMap.")
+    check_record(record, plugin, hook)
+    where = f"plugin {plugin!r}: {hook} returned EnvironmentMap whose"
+    for source, target in record.variables.items():
+        if not is_source(source):
+            raise PluginError(f"{where} variables maps {source!r}, which is not CUDA_VISIBLE_DEVICES, "
+                              "PYTORCH_CUDA_ALLOC_CONF, NCCL_* or TORCH_NCCL_*.")
+        if not isinstance(target, str) or not target.isidentifier() or is_source(target):
+            raise PluginError(f"{where} variables maps {source!r} to {target!r}, which is not a vendor variable name.")
+    for source, converter in record.convert.items():
+        if source not in record.variables:
+            raise PluginError(f"{where} convert has {source!r}, which variables does not map.")
+        if not callable(converter):
+            raise PluginError(f"{where} convert[{source!r}] is {converter!r:.60}, expected a callable.")
+    bad = [rule for rule in record.ignored if not isinstance(rule, str) or not rule]
+    if bad:
+        raise PluginError(f"{where} ignored has {bad!r:.60}; expected variable names or prefixes ending in '_'.")

@@ -321,3 +321,26 @@ class FusedKernels:
 AttentionKernels = FusedKernels
 """The name :class:`FusedKernels` had before 0.1 (it carries more than attention); kept so that plugins written
 against it keep working."""
+
+
+EnvironmentConverter = Callable[[str], "tuple[str | None, str]"]
+"""Converts a CUDA/NCCL variable's value to the vendor variable's format: ``(value, note)``; ``value`` is ``None``
+when nothing of it carries over, ``note`` says what was dropped or why (``""`` when nothing was)."""
+
+
+@dataclass(frozen=True)
+class EnvironmentMap:
+    """How a job's CUDA/NCCL environment maps to the plugin's own variables (``devshim_environment_map``).
+
+    ``variables``: CUDA/NCCL name -> the vendor's (``{"CUDA_VISIBLE_DEVICES": "ASCEND_RT_VISIBLE_DEVICES"}``); values
+    are copied as they are unless ``convert`` has a converter for the CUDA/NCCL name.
+    ``convert``: CUDA/NCCL name -> an :data:`EnvironmentConverter`, for formats that differ (allocator keys the vendor
+    does not read, log levels written otherwise).
+    ``ignored``: names, or prefixes ending in ``_``, that mean nothing on this device (NCCL settings on a device whose
+    collectives are gloo's): reported by ``devshim info`` but not warned about. Every other ``CUDA_VISIBLE_DEVICES``,
+    ``PYTORCH_CUDA_ALLOC_CONF``, ``NCCL_*`` or ``TORCH_NCCL_*`` setting is untranslatable, named in one warning.
+    """
+
+    variables: Mapping[str, str] = field(default_factory=dict)
+    convert: Mapping[str, EnvironmentConverter] = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from devshim_core import log
+from devshim_core import env_migration, log
 from devshim_core.device import Device, build_device
 from devshim_core.integrations import table
 from devshim_core.integrations.base import Status
@@ -26,6 +26,7 @@ class Session:
     device: Device
     integrations: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    environment: env_migration.Migration | None = None  # the CUDA/NCCL settings migrated to the plugin's variables
 
 
 _lock = threading.RLock()
@@ -76,9 +77,20 @@ def activate(environ: Mapping[str, str] | None = None, extra_plugins: Any = ()) 
             bring_up(settings.emulate)
         registry = discover(settings, extra_plugins)
         selection = select(registry, settings)
-        device = build_device(registry, selection)
-        device.prepare_process()
-        session = Session(settings, registry, selection, device)
+        # before the facade is built: building it starts the vendor runtime, which reads its variables then
+        environment = env_migration.migrate(registry, selection.plugin, settings.detect_timeout,
+                                            announce=_is_rank_zero())
+        try:
+            device = build_device(registry, selection)
+            device.prepare_process()
+        except BaseException:
+            if environment is not None:
+                environment.revert()
+            raise
+        session = Session(settings, registry, selection, device, environment=environment)
+        lost = environment.warning() if environment is not None else None
+        if lost is not None:  # logged by migrate; kept for active_session() and devshim info
+            session.warnings.append(lost)
         REGISTRY.disable(settings.disabled_patches())
         warning = selection.fallback_warning()
         if warning is not None:
@@ -89,6 +101,8 @@ def activate(environ: Mapping[str, str] | None = None, extra_plugins: Any = ()) 
             _install_integrations(session)
         except BaseException:
             deactivate_integrations()
+            if environment is not None:
+                environment.revert()
             raise
         _active = session
         return session
@@ -115,4 +129,6 @@ def deactivate() -> None:
     global _active
     with _lock:
         deactivate_integrations()
+        if _active is not None and _active.environment is not None:
+            _active.environment.revert()
         _active = None

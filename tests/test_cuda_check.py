@@ -298,8 +298,8 @@ REVIEW = {
     "os.environ.get('NCCL_DEBUG')": ("os.environ.get('NCCL_DEBUG')", "NCCL variables do not steer 'hccl'"),
     "os.environ['CUDA_DEVICE_MAX_CONNECTIONS'] = '1'": ("os.environ['CUDA_DEVICE_MAX_CONNECTIONS']",
                                                         "no effect on npu"),
-    "torch.cuda.caching_allocator_alloc(8)": ("torch.cuda.caching_allocator_alloc",
-                                              "torch.cuda.caching_allocator_alloc is not redirected; check"),
+    "torch.cuda.list_gpu_processes()": ("torch.cuda.list_gpu_processes",
+                                        "torch.cuda.list_gpu_processes is not redirected; check"),
     "if torch.version.cuda: pass": ("torch.version.cuda", "None without a CUDA build"),
 }
 

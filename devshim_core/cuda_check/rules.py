@@ -114,27 +114,6 @@ CPP_EXTENSION = "torch.utils.cpp_extension"
 CUDA_EXTENSION_MESSAGE = "builds CUDA sources with nvcc; port the kernel to the plugin's SDK or write the op in PyTorch"
 CUDA_SOURCE = re.compile(r"\.(cu|cuh)$")
 
-# torch.cuda names the redirect's tables do not list and that raise on a torch without CUDA, under devshim too (they
-# reach torch._C's CUDA bindings, the CUDA runtime or NVML; tests/test_cuda_check.py calls each under devshim). Keyed
-# by what follows torch.cuda; a name the redirect's tables list is classified by them first.
-_ALLOCATOR_HISTORY = ("the CUDA caching allocator's history and snapshots do not exist off CUDA; use torch.profiler "
-                      "with profile_memory=True")
-_NVML = "NVML queries NVIDIA's driver; remove the call"
-CUDA_ONLY_NAMES: dict[str, str] = {
-    "memory._record_memory_history": _ALLOCATOR_HISTORY,
-    "memory._snapshot": _ALLOCATOR_HISTORY,
-    "memory._dump_snapshot": _ALLOCATOR_HISTORY,
-    "memory.memory_snapshot": _ALLOCATOR_HISTORY,
-    "memory_snapshot": _ALLOCATOR_HISTORY,
-    "check_error": "checks a CUDA runtime status code, and the CUDA runtime is not present; remove the call",
-    "get_allocator_backend": "the CUDA caching allocator is not present; remove the call",
-    "set_per_process_memory_fraction": "the CUDA caching allocator is not present; use the plugin's memory settings",
-    "memory_usage": _NVML,
-    "temperature": _NVML,
-    "power_draw": _NVML,
-    "clock_rate": _NVML,
-}
-
 # review: attribute chains that run but mean nothing (or something else) off CUDA
 REVIEW_PREFIXES: dict[str, str] = {
     "torch.backends.cudnn": "cuDNN settings have no effect off CUDA",
@@ -211,9 +190,11 @@ def torch_cuda_rule(path: list[str]) -> tuple[Category, str]:
         return "redirected", f"a {coverage.TENSOR_TYPES[head]} tensor type on {{device}}"
     if head in coverage.DEVICE_FUNCTIONS or head in coverage.INTERNALS:
         return "redirected", "answered by {device}'s device module"
+    # calls that raise off CUDA, under devshim too (the redirect refuses them, naming the call); ``memory.x`` keys
+    # are torch.cuda.memory's
     for key in (".".join(path[:2]), head):
-        if key in CUDA_ONLY_NAMES:
-            return "unsupported", CUDA_ONLY_NAMES[key]
+        if key in coverage.CUDA_ONLY_CALLS:
+            return "unsupported", coverage.CUDA_ONLY_CALLS[key]
     name = ".".join(["torch.cuda", head, *rest[:1]])
     return "review", f"{name} is not redirected; check what it does without CUDA"
 

@@ -6,6 +6,8 @@ listed is not, and ``devshim check`` says what the user must change.
 
 from __future__ import annotations
 
+import types
+
 # torch.cuda functions answered by the device facade (same names, same signatures)
 DEVICE_FUNCTIONS: frozenset[str] = frozenset({
     "is_available", "device_count", "current_device", "set_device", "synchronize",
@@ -83,3 +85,156 @@ UNSERVED_CUDA: dict[str, str] = {
     "tunable": "TunableOp tunes CUDA GEMMs only; remove it",
     "_sleep": "a CUDA spin kernel; remove it",
 }
+
+# torch.cuda calls that cannot run off CUDA (they reach torch._C's CUDA bindings, the CUDA runtime, its caching
+# allocator or NVML); with UNSERVED_CUDA's callables the redirect replaces each with one that raises, naming the call.
+# Keyed by what follows torch.cuda (``memory.x``: the torch.cuda.memory module's, which ``devshim check`` reports).
+_ALLOCATOR = "the CUDA caching allocator is not present; use the plugin's memory settings and torch.cuda.memory_stats"
+_ALLOCATOR_HISTORY = ("the CUDA caching allocator's history and snapshots do not exist off CUDA; use torch.profiler "
+                      "with profile_memory=True")
+_NVML = "NVML queries NVIDIA's driver; remove the call"
+_HOST_ALLOCATOR = "the CUDA pinned-host allocator is not present; remove the call"
+CUDA_ONLY_CALLS: dict[str, str] = {
+    "memory._record_memory_history": _ALLOCATOR_HISTORY,
+    "memory._snapshot": _ALLOCATOR_HISTORY,
+    "memory._dump_snapshot": _ALLOCATOR_HISTORY,
+    "memory.memory_snapshot": _ALLOCATOR_HISTORY,
+    "memory_snapshot": _ALLOCATOR_HISTORY,
+    "memory_summary": "the CUDA caching allocator's summary does not exist off CUDA; print torch.cuda.memory_stats()",
+    "check_error": "checks a CUDA runtime status code, and the CUDA runtime is not present; remove the call",
+    "get_allocator_backend": _ALLOCATOR,
+    "set_per_process_memory_fraction": _ALLOCATOR,
+    "get_per_process_memory_fraction": _ALLOCATOR,
+    "caching_allocator_alloc": _ALLOCATOR,
+    "caching_allocator_delete": _ALLOCATOR,
+    "reset_accumulated_memory_stats": "CUDA's accumulated allocator counters do not exist off CUDA; use "
+                                      "torch.cuda.reset_peak_memory_stats",
+    "reset_accumulated_host_memory_stats": _HOST_ALLOCATOR,
+    "reset_peak_host_memory_stats": _HOST_ALLOCATOR,
+    "memory_usage": _NVML,
+    "temperature": _NVML,
+    "power_draw": _NVML,
+    "clock_rate": _NVML,
+    "device_memory_used": f"{_NVML}, or use torch.cuda.mem_get_info",
+    "can_device_access_peer": "CUDA peer access has no equivalent; use torch.distributed collectives between devices",
+    "current_blas_handle": "a cuBLAS handle does not exist off CUDA; remove the call",
+    "current_solver_handle": "a cuSOLVER handle does not exist off CUDA; remove the call",
+    "get_stream_from_external": UNSERVED_CUDA["ExternalStream"],
+    "get_sync_debug_mode": "CUDA's synchronisation debug mode does not exist off CUDA; remove the call",
+    "set_sync_debug_mode": "CUDA's synchronisation debug mode does not exist off CUDA; remove the call",
+}
+
+# torch.cuda names served with a difference from CUDA's answer (the rest of DEVICE_FUNCTIONS answer as CUDA does)
+MODIFIED: dict[str, str] = {
+    "Stream": "the device's stream class; isinstance() accepts what it makes",
+    "Event": "the device's event class; isinstance() accepts what it makes (the host event, cpu_reference's, takes "
+             "CUDA's IPC-only external= by keyword only)",
+    "get_device_capability": "(0, 0): no CUDA architecture, so architecture-gated CUDA paths stay off",
+    "get_device_properties": "CUDA's field names; major/minor 0, warp_size 1, fields without meaning 0 or ''",
+    "get_device_name": "the device's name (its type where the plugin reports none)",
+    "is_bf16_supported": "the device's bf16 trait; including_emulation is ignored",
+    "is_current_stream_capturing": "always False: CUDA graphs are not served",
+    "is_initialized": "always True: the device needs no lazy CUDA initialisation",
+    "init": "a no-op: the device needs no lazy CUDA initialisation",
+    "ipc_collect": "a no-op: there are no CUDA IPC handles",
+    "synchronize": "synchronizes the selected device; the index is ignored",
+    "utilization": "the vendor module's; refused, naming the call, where the device module has none",
+    "seed": "the vendor module's, else a random 63-bit seed through manual_seed",
+    "seed_all": "the vendor module's, else a random 63-bit seed through manual_seed_all",
+    "default_generators": "the device's generators (torch.default_generator on the CPU)",
+}
+
+# public names left as torch defines them: modules, constants, exceptions and calls that work without CUDA
+_SUBMODULE = "a submodule: its names are redirected where listed above, else as torch defines them"
+_STORAGE = "a legacy typed storage class, as torch defines it (torch.UntypedStorage's device= is redirected)"
+AS_TORCH: dict[str, str] = {
+    **{name: _SUBMODULE for name in ("amp", "random", "nvtx", "memory", "streams", "profiler", "sparse", "gds",
+                                     "green_contexts", "graphs", "jiterator", "nccl", "comm", "tunable")},
+    **{f"{kind}Storage": _STORAGE for kind in ("BFloat16", "Bool", "Byte", "Char", "ComplexDouble", "ComplexFloat",
+                                                "Double", "Float", "Half", "Int", "Long", "Short")},
+    "CudaError": "an exception class, as torch defines it",
+    "DeferredCudaCallError": "an exception class, as torch defines it",
+    "cudaStatus": "CUDA status constants, as torch defines them",
+    "GreenContext": "torch's class; its create() needs CUDA green contexts and raises torch's error",
+    "StreamContext": "torch's context manager; torch.cuda.stream(), the device's, is what scripts use",
+    "device_of": "torch's; it builds the redirected torch.cuda.device",
+    "has_half": "a constant, as torch defines it",
+    "has_magma": "a constant, as torch defines it (False: MAGMA is CUDA's)",
+    "get_arch_list": "[]: no CUDA architectures, as torch answers without CUDA",
+    "get_gencode_flags": "'': no CUDA architectures, as torch answers without CUDA",
+    "is_tf32_supported": "torch's answer; TF32 is a CUDA matmul mode and has no effect off CUDA",
+    "caching_allocator_enable": "torch's: sets a flag of the CUDA allocator, which is not used off CUDA",
+    "caching_allocator_disabled": "torch's context manager: the CUDA allocator flag it sets is not used off CUDA",
+    "host_memory_stats": "torch's: empty, as the CUDA pinned-host allocator is not used",
+    "host_memory_stats_as_nested_dict": "torch's: empty, as the CUDA pinned-host allocator is not used",
+    "memory_stats_as_nested_dict": "torch's: empty (torch.cuda.memory_stats, redirected, has the device's figures)",
+    "list_gpu_processes": "torch's: says NVML is not available",
+}
+AS_TORCH_AMP: dict[str, str] = {
+    **{name: _SUBMODULE for name in ("autocast_mode", "common", "grad_scaler")},
+    "amp_definitely_not_available": "torch's; False, as the redirected torch.cuda.is_available() is True",
+}
+
+# torch.backends.cuda is left as torch defines it: its settings select CUDA kernels, which never run off CUDA, and
+# ``devshim check`` reports their use for review. Each name is listed, so that a new torch forces a decision.
+_CUDA_SETTING = "a CUDA kernel setting: accepted, no effect off CUDA"
+_CUDA_QUERY = "torch's answer without CUDA (False)"
+BACKENDS_AS_TORCH: dict[str, str] = {
+    **{name: _CUDA_SETTING for name in (
+        "cuFFTPlanCacheAttrContextProp", "cuFFTPlanCache", "cuFFTPlanCacheManager", "cuBLASModule",
+        "preferred_linalg_library", "preferred_blas_library", "preferred_rocm_fa_library", "cufft_plan_cache",
+        "matmul", "enable_cudnn_sdp", "cudnn_sdp_enabled", "enable_flash_sdp", "flash_sdp_enabled",
+        "enable_mem_efficient_sdp", "mem_efficient_sdp_enabled", "math_sdp_enabled", "enable_math_sdp",
+        "allow_fp16_bf16_reduction_math_sdp", "fp16_bf16_reduction_math_sdp_allowed", "sdp_kernel",
+        "cublas_workspace_size", "cublaslt_workspace_size", "blas_workspace_size")},
+    **{name: _CUDA_QUERY for name in (
+        "is_built", "is_ck_sdpa_available", "is_flash_attention_available", "can_use_flash_attention",
+        "can_use_efficient_attention", "can_use_cudnn_attention")},
+    "SDPAParams": "torch's class, as torch defines it",
+}
+
+Kind = str  # "served", "modified", "as torch", "refused"
+FACADE_MODULES: tuple[str, ...] = ("torch.cuda", "torch.cuda.amp", "torch.cuda.random", "torch.backends.cuda")
+
+
+def refused_names() -> dict[str, str]:
+    """torch.cuda attribute -> why it is refused: the callables of UNSERVED_CUDA and CUDA_ONLY_CALLS (submodules
+    stay modules; ``devshim check`` reports their use)."""
+    return {n: why for n, why in {**UNSERVED_CUDA, **CUDA_ONLY_CALLS}.items() if "." not in n and n not in AS_TORCH}
+
+
+def classify(module: str, name: str) -> tuple[Kind, str] | None:
+    """How the redirect answers ``module.name`` (a public name of one of FACADE_MODULES): ``(kind, note)``, or
+    ``None`` where nothing decides it (a name a newer torch added)."""
+    if module == "torch.backends.cuda":
+        return ("as torch", BACKENDS_AS_TORCH[name]) if name in BACKENDS_AS_TORCH else None
+    if module == "torch.cuda.amp":
+        if name in AMP_NAMES:
+            return "served", "torch.amp's, on the selected device (device_type='cuda' is mapped)"
+        return ("as torch", AS_TORCH_AMP[name]) if name in AS_TORCH_AMP else None
+    if module == "torch.cuda.random" and name not in DEVICE_FUNCTIONS:
+        return None
+    if name in MODIFIED:
+        return "modified", MODIFIED[name]
+    if name in DEVICE_FUNCTIONS:
+        return "served", "answered by the device facade"
+    if name in TENSOR_TYPES:
+        return "served", f"the {TENSOR_TYPES[name]} tensor type on the selected device"
+    if name in refused_names():
+        return "refused", refused_names()[name]
+    if name in AS_TORCH:
+        return "as torch", AS_TORCH[name]
+    return None
+
+
+def public_names(module: types.ModuleType) -> list[str]:
+    """The public names of ``module`` (one of FACADE_MODULES): its ``__all__`` and what it defines itself
+    (submodules included), not the helpers it imports (``os``, ``typing.Any``, ``torch``)."""
+    declared = set(getattr(module, "__all__", ()))
+
+    def own(name: str) -> bool:
+        value = vars(module)[name]
+        home = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        return isinstance(home, str) and home.startswith(module.__name__)
+
+    return sorted(n for n in vars(module) if not n.startswith("_") and (n in declared or own(n)))

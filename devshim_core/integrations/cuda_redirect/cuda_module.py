@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import random
 import threading
@@ -13,6 +15,7 @@ import torch
 
 from devshim_core.device import Device
 from devshim_core.errors import DevshimError
+from devshim_core.integrations.cuda_redirect import coverage
 from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
 
 
@@ -165,7 +168,7 @@ def replacements(d: Device, devices: DeviceMap) -> dict[str, Any]:
         "get_rng_state": get_rng_state,
         "set_rng_state": set_rng_state,
         "get_rng_state_all": lambda: [get_rng_state(i) for i in range(d.device_count())],
-        "set_rng_state_all": lambda states: [set_rng_state(s, i) for i, s in enumerate(states)] and None,  # type: ignore[func-returns-value]  # the list only makes the calls
+        "set_rng_state_all": lambda new_states: [set_rng_state(s, i) for i, s in enumerate(new_states)] and None,  # type: ignore[func-returns-value]  # the list only makes the calls
         "Stream": as_class("Stream", d.Stream),  # both stream kinds read the index of a 'cuda:N' they are given
         "Event": as_class("Event", d.Event),
         "stream": d.stream,
@@ -233,3 +236,41 @@ def nvtx_replacements() -> dict[str, Any]:
     ranges = _NvtxRanges()
     return {"range_push": ranges.range_push, "range_pop": ranges.range_pop, "mark": ranges.mark,
             "range": ranges.range}
+
+
+class CudaCallRefused(DevshimError):
+    """A ``torch.cuda`` call the redirect cannot serve on the selected device (``coverage.refused_names``)."""
+
+
+def _refusal(d: Device, name: str, why: str) -> CudaCallRefused:
+    return CudaCallRefused(f"torch.cuda.{name}() cannot run on {d.type} (devshim plugin {d.plugin}, CUDA redirect): "
+                           f"{why}. `devshim check SCRIPT` lists every such call.")
+
+
+def refuser(d: Device, name: str, why: str, original: Any) -> Any:
+    """What stands for ``torch.cuda.<name>`` (``original``) under the redirect: it raises, naming the call. A class
+    stays a class (``isinstance(x, torch.cuda.CUDAGraph)`` keeps working: nothing is one), a function keeps the
+    original's signature for introspection."""
+    if isinstance(original, type):
+        def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+            raise _refusal(d, name, why)
+
+        return type(name, (), {"__new__": __new__, "__module__": "torch.cuda", "__qualname__": name,
+                               "__doc__": f"Refused by devshim's CUDA redirect: {why}."})
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise _refusal(d, name, why)
+
+    refused.__name__ = refused.__qualname__ = name
+    refused.__module__ = "torch.cuda"
+    refused.__doc__ = f"Refused by devshim's CUDA redirect: {why}."
+    refused.__devshim_original__ = original  # type: ignore[attr-defined]  # as every devshim wrapper records it
+    with contextlib.suppress(TypeError, ValueError):  # builtins without a signature keep (*args, **kwargs)
+        refused.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+    return refused
+
+
+def refusers(d: Device, originals: dict[str, Any]) -> dict[str, Any]:
+    """``torch.cuda`` name -> its refuser, for the refused names this torch has (``originals``)."""
+    why = coverage.refused_names()
+    return {n: refuser(d, n, why[n], o) for n, o in originals.items() if o is not None and callable(o)}

@@ -7,16 +7,17 @@ by the registry. Functions that take no device are never wrapped: they cost exac
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from devshim_core.device import Device
 from devshim_core.integrations.cuda_redirect import coverage, serialization, wrappers
-from devshim_core.integrations.cuda_redirect.cuda_module import nvtx_replacements, replacements
+from devshim_core.integrations.cuda_redirect.cuda_module import nvtx_replacements, refusers, replacements
 from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
 from devshim_core.integrations.cuda_redirect.tensor_types import tensor_type, typed_tensor_classes
-from devshim_core.patching import Patch, PatchSet, RebindReferences, Requirement, SetAttributes
+from devshim_core.patching import Patch, PatchSet, RebindReferences, Requirement, SetAttributes, Undo
 
 TORCH = Requirement("torch", ">=2.4,<3")
 SET_NAME = "cuda-redirect"
@@ -36,12 +37,52 @@ class _Swaps:
         self.pairs: list[tuple[Any, Any]] = []
 
     def record(self, originals: dict[str, Any], made: dict[str, Any]) -> dict[str, Any]:
-        self.pairs.extend((originals[n], new) for n, new in made.items() if originals.get(n) is not None)
+        for n, new in made.items():
+            old = originals.get(n)
+            # down the chain of devshim wrappers too: an alias made before devshim activated holds torch's own
+            # object (Megatron's `dist_all_gather_func = torch.distributed.all_gather_into_tensor`), which another
+            # set (the collective timeouts) wrapped before this one did
+            while old is not None and old is not new:
+                self.pairs.append((old, new))
+                old = getattr(old, "__devshim_original__", None)
         return made
 
     def take(self, device: Device) -> list[tuple[Any, Any]]:
         pairs, self.pairs = self.pairs, []
         return pairs
+
+
+@dataclass(frozen=True)
+class RebindWithClassAttributes(RebindReferences):
+    """:class:`RebindReferences`, and the attributes of the classes each scanned module defines (one level):
+    DeepSpeed's ``OnDevice`` keeps ``_orig_torch_empty = torch.empty`` as a class attribute and puts it back into
+    ``torch`` when its block exits, which would undo the redirect of ``torch.empty`` for the rest of the job."""
+
+    def apply(self, device: Device) -> tuple[Undo, str]:
+        pairs = list(self.pairs(device))
+        undo_modules, detail = RebindReferences(name=self.name, scope=self.scope, pairs=lambda _device: pairs,
+                                                reason=self.reason, exclude=self.exclude).apply(device)
+        mapping = {id(old): (old, new) for old, new in pairs if old is not new and callable(old)}
+        done: list[tuple[type, str, Any]] = []
+        for module_name, namespace in self.namespaces():
+            for cls in [v for v in list(namespace.values()) if isinstance(v, type) and v.__module__ == module_name]:
+                for key, value in list(vars(cls).items()):
+                    hit = mapping.get(id(value))
+                    if hit is None or hit[0] is not value:
+                        continue
+                    new = hit[1]
+                    # a builtin does not bind as a class attribute; a Python (or descriptor) wrapper would
+                    if not hasattr(type(value), "__get__") and hasattr(type(new), "__get__"):
+                        new = staticmethod(new)
+                    setattr(cls, key, new)
+                    done.append((cls, key, value))
+
+        def undo() -> None:
+            for cls, key, value in reversed(done):
+                setattr(cls, key, value)
+            undo_modules()
+
+        return undo, f"{detail}; {len(done)} class attributes rebound"
 
 
 def patch_set(device: Device) -> PatchSet:
@@ -62,6 +103,12 @@ def patch_set(device: Device) -> PatchSet:
                 originals, {**replacements(device, devices), **classes}),
             reason=f"torch.cuda's device, RNG, stream, memory and typed-tensor API answered on {device.type}; its "
                    "lazy seeding runs at once (queued CUDA seeds would silently never reach the device)"),
+        SetAttributes(
+            name="torch.cuda-refused", target="torch.cuda", names=tuple(sorted(coverage.refused_names())),
+            make=lambda originals, _device: swaps.record(originals, refusers(device, originals)),
+            reason=f"torch.cuda calls that cannot run on {device.type} (CUDA graphs, the CUDA allocator, NVML, the "
+                   "CUDA runtime) raise one error naming the call and what to do, instead of torch's missing-CUDA "
+                   "errors"),
         SetAttributes(
             name="torch.cuda.random", target="torch.cuda.random",
             names=("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "seed", "seed_all",
@@ -147,10 +194,12 @@ def patch_set(device: Device) -> PatchSet:
             make=each(lambda n, o: wrappers.flat_buffers(o)),
             reason="NCCL reads the two buffers of all_gather_into_tensor/reduce_scatter_tensor flat; gloo wants the "
                    "output chunked like the input (Megatron's gather_split_1d_tensor: 'invalid tensor size')"))
-    patches.append(RebindReferences(
+    patches.append(RebindWithClassAttributes(
         name="stale-cuda-references", scope="*", pairs=swaps.take, exclude=("devshim_core", "torch"),
-        reason="`from torch.cuda import _lazy_call` (Megatron) and similar copies made before devshim activated "
-               "keep the originals otherwise (torch's own modules are left alone: they call through torch.cuda)"))
+        reason="`from torch.cuda import _lazy_call` (Megatron), `dist_all_gather_func = "
+               "torch.distributed.all_gather_into_tensor` (Megatron), DeepSpeed's OnDevice._orig_torch_empty and "
+               "similar copies made before devshim activated keep the originals otherwise (torch's own modules are "
+               "left alone: they call through torch.cuda)"))
     return PatchSet(name=SET_NAME, requires=(TORCH,), patches=tuple(patches),
                     reason=f"run CUDA-written scripts on {device.type} ({device.plugin}), {wrappers.IMPLEMENTATION} "
                            "wrappers; DEVSHIM_REDIRECT_CUDA=0 turns it off")

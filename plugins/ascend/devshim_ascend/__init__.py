@@ -26,6 +26,7 @@ from devshim_core import (
     OptimizerKernels,
     hookimpl,
 )
+from devshim_core.records import EnvironmentMap
 
 PRIORITY = 100
 VISIBLE_DEVICES = "ASCEND_RT_VISIBLE_DEVICES"
@@ -41,6 +42,13 @@ def devshim_detect() -> DeviceReport:
     found = detect()
     return DeviceReport(available=found.ok, reason=found.reason, device_type="npu",
                         device_count=found.device_count if found.ok else 0, priority=PRIORITY)
+
+
+@hookimpl
+def devshim_environment_map(report: DeviceReport) -> EnvironmentMap:
+    from devshim_ascend import environment
+
+    return environment.environment_map()
 
 
 @hookimpl

@@ -11,6 +11,7 @@ _KEYS = {
     "base_addr_aligned_kb": "an alignment in KB, an integer from 0 to 16 (16 by default; 0 means 512 bytes)",
     "page_size": "'1g' for huge pages",
 }
+KEYS = tuple(_KEYS)  # what a PYTORCH_CUDA_ALLOC_CONF may carry over (devshim_ascend.environment)
 
 
 def parse_config(value: str) -> dict[str, str]:

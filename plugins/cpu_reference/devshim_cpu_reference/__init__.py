@@ -18,11 +18,13 @@ from devshim_core import (
     DeviceTraits,
     FusedKernels,
     OptimizerKernels,
+    env_migration,
     hookimpl,
     host_defaults,
 )
+from devshim_core.records import EnvironmentMap
 from devshim_cpu_reference import memory
-from devshim_cpu_reference.device_module import CpuDeviceModule, configured_device_count
+from devshim_cpu_reference.device_module import VISIBLE_DEVICES_ENV, CpuDeviceModule, configured_device_count
 
 PRIORITY = -1000  # the fallback: any other available plugin wins
 
@@ -32,6 +34,14 @@ def devshim_detect() -> DeviceReport:
     count, source = configured_device_count()
     return DeviceReport(available=True, reason=f"the host CPU is always available ({count} device slots, {source})",
                         device_type="cpu", device_count=count, priority=PRIORITY)
+
+
+@hookimpl
+def devshim_environment_map(report: DeviceReport) -> EnvironmentMap:
+    # CUDA_VISIBLE_DEVICES narrows the CPU's device slots as it narrows GPUs; NCCL and CUDA's allocator are not used
+    return EnvironmentMap(variables={"CUDA_VISIBLE_DEVICES": VISIBLE_DEVICES_ENV},
+                          convert={"CUDA_VISIBLE_DEVICES": env_migration.visible_devices},
+                          ignored=("NCCL_", "TORCH_NCCL_", "PYTORCH_CUDA_ALLOC_CONF"))
 
 
 @hookimpl

@@ -23,8 +23,10 @@ from devshim_core import (
     DeviceTraits,
     FusedKernels,
     OptimizerKernels,
+    env_migration,
     hookimpl,
 )
+from devshim_core.records import EnvironmentMap
 from devshim_sophgo import allocator
 from devshim_sophgo.detect import detect
 
@@ -46,6 +48,15 @@ def devshim_detect() -> DeviceReport:
     found = detect()
     return DeviceReport(available=found.ok, reason=found.reason, device_type="tpu",
                         device_count=found.device_count if found.ok else 0, priority=PRIORITY)
+
+
+@hookimpl
+def devshim_environment_map(report: DeviceReport) -> EnvironmentMap:
+    # only what Sophgo documents: the visible devices and the allocator's variable; SCCL documents no NCCL_* twin
+    return EnvironmentMap(
+        variables={"CUDA_VISIBLE_DEVICES": VISIBLE_DEVICES, "PYTORCH_CUDA_ALLOC_CONF": allocator.CONFIG_ENV},
+        convert={"CUDA_VISIBLE_DEVICES": env_migration.visible_devices,
+                 "PYTORCH_CUDA_ALLOC_CONF": env_migration.allocator_config(allocator.KEYS, allocator.validate_config)})
 
 
 @hookimpl

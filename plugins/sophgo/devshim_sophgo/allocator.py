@@ -12,6 +12,7 @@ from devshim_core.allocator_config import roundup_divisions, split_items
 
 CONFIG_ENV = "PYTORCH_TPU_ALLOC_CONF"
 _KEYS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions")
+KEYS = _KEYS  # what a PYTORCH_CUDA_ALLOC_CONF may carry over (the plugin's devshim_environment_map)
 
 
 def _fraction(text: str) -> bool:
