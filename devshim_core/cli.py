@@ -236,10 +236,13 @@ def _print_integrations(as_json: bool) -> int:
     return 0
 
 
-def check(paths: list[str], as_json: bool, only: str | None = None) -> int:
-    """Scan without activating: 0 everything runs, 1 something cannot run, 2 a path could not be checked.
-    ``only`` prints one category's findings, or ``problems`` (review and unsupported); the status is the same."""
+def check(paths: list[str], as_json: bool, only: str | None = None, logs: list[str] | None = None) -> int:
+    """Scan without activating: 0 everything runs, 1 something cannot run, 2 a path (or a log) could not be read.
+    ``only`` prints one category's findings, or ``problems`` (review and unsupported); the status is the same.
+    ``logs``: migration logs (DEVSHIM_MIGRATION_LOG) to mark each finding ran or never ran."""
     result = cuda_check.check_paths(paths, cuda_check.find_target())
+    if logs:
+        cuda_check.merge_logs(result, logs)
     if as_json:
         check_report.render_json(result, only=only)
     else:
@@ -269,10 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument("--only", choices=check_report.ONLY_CHOICES, metavar="WHAT",
                          help="print only the findings that need you ('problems': review and unsupported) or one "
                               f"category ({', '.join(check_report.ONLY_CHOICES[1:])}); counts and status are the same")
+    command.add_argument("--log", action="append", metavar="PATH", dest="logs",
+                         help="a migration log written by DEVSHIM_MIGRATION_LOG (repeat for each rank's): mark each "
+                              "finding ran or never ran, and list what ran with no finding")
     args = parser.parse_args(argv)
     try:
         if args.command == "check":
-            return check(args.paths, args.json, args.only)
+            return check(args.paths, args.json, args.only, args.logs)
         if args.command == "integrations":
             return _print_integrations(args.json)
         if args.command == "settings":

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from devshim_core import log
+from devshim_core import log, migration_log
 from devshim_core.allocator_config import split_items
 from devshim_core.errors import ConfigError, PluginError
 from devshim_core.record_checks import check_environment_map
@@ -162,6 +162,7 @@ def migrate(registry: Any, record: Any, detect_timeout: float = 0.0, *, announce
             assert translation.target is not None and translation.target_value is not None
             env[translation.target] = translation.target_value
             migration.set_by_devshim[translation.target] = translation.target_value
+    migration_log.record_translations(migration.translations)
     if migration.set_by_devshim:
         _detect_again(registry, record, detect_timeout, migration, env)
     if announce:

@@ -301,6 +301,10 @@ class _BlockingFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
         reason = self.names.get(fullname.partition(".")[0])
         if reason is not None and self._asked_to_load():
+            from devshim_core import migration_log
+
+            if (log := migration_log.recorder()) is not None:  # DEVSHIM_MIGRATION_LOG: the import, where it was made
+                log.blocked_import(fullname, reason)
             raise ModuleNotFoundError(f"No module named {fullname!r} ({reason})", name=fullname)
         return None
 

@@ -92,6 +92,10 @@ SWITCHES: tuple[Switch, ...] = (
            "collectives between ranks of one host", _bool),
     Switch("DEVSHIM_CUDA_FACADE", BOOLEAN, "0", "on a CUDA device, route DeepSpeed through devshim's accelerator and "
            "op builders instead of standing aside", _bool),
+    Switch("DEVSHIM_MIGRATION_LOG", "a file path; {rank} in it is replaced by the rank", "unset", "append one JSON "
+           "line per call site the CUDA redirect served, modified or refused, per environment translation and per "
+           "blocked import (the CUDA redirect then uses its Python wrappers); without {rank}, .rankN is appended where "
+           "RANK or LOCAL_RANK is set; `devshim check --log PATH` merges it with the scan (docs/cuda-scripts.md)"),
     Switch("DEVSHIM_LOG_LEVEL", "debug, info, warning or error", "info", "how much devshim logs on stderr (logger "
            "'devshim'); debug shows every patch applied and every kernel dispatch decision",
            lambda raw: raw.strip().lower() in log.LEVELS),

@@ -8,18 +8,36 @@ redirect itself is built from, so the two cannot disagree.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import tokenize
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from devshim_core.cuda_check import rules
 from devshim_core.cuda_check.scanner import Finding, scan_source
 from devshim_core.cuda_check.target import Target, find_target
 
-__all__ = ["CheckResult", "Finding", "Target", "check_paths", "find_target"]
+__all__ = ["CheckResult", "Finding", "LogMerge", "Target", "check_paths", "find_target", "merge_logs"]
 
 SKIPPED_DIRS = frozenset({"__pycache__", "site-packages", "node_modules"})  # plus every hidden directory
+
+
+@dataclass
+class LogMerge:
+    """The scan merged with migration logs (``DEVSHIM_MIGRATION_LOG``): which findings ran (a log entry at the same
+    file:line), which never ran, and what ran with no finding (in a line the scan passes over, or a file not
+    scanned). Entries are the logs' JSON objects, one per (kind, file, line, call) across every log and rank."""
+
+    ran: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # index in findings -> its entries
+    only_at_run_time: list[dict[str, Any]] = field(default_factory=list)
+    environment: list[dict[str, Any]] = field(default_factory=list)
+    logs: int = 0
+
+    def has_run(self, index: int) -> bool:
+        return index in self.ran
 
 
 @dataclass
@@ -28,6 +46,7 @@ class CheckResult:
     findings: list[Finding] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # files that could not be read or parsed, with why
     files: int = 0  # files scanned
+    log: LogMerge | None = None  # set by merge_logs
 
     @property
     def exit_status(self) -> int:
@@ -70,4 +89,56 @@ def check_paths(paths: Iterable[str], target: Target) -> CheckResult:
     if not target.redirect:
         result.findings = [dataclasses.replace(f, category="unsupported", message=rules.REDIRECT_OFF_MESSAGE)
                            if f.category == "redirected" else f for f in result.findings]
+    return result
+
+
+def _read_log(path: str, errors: list[str]) -> list[dict[str, Any]]:
+    entries = []
+    try:
+        with open(path, encoding="utf-8") as stream:
+            for number, text in enumerate(stream, 1):
+                if not text.strip():
+                    continue
+                try:
+                    entry = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    entry = exc.msg
+                if not isinstance(entry, dict) or not {"kind", "call", "tag"} <= entry.keys():
+                    errors.append(f"{path}:{number}: not a migration-log line (DEVSHIM_MIGRATION_LOG writes one JSON "
+                                  "object per line): pass the file devshim wrote, or delete the damaged line")
+                    continue
+                entries.append(entry)
+    except (OSError, UnicodeDecodeError) as exc:
+        errors.append(f"{path}: cannot read the migration log: {exc}. Pass the path DEVSHIM_MIGRATION_LOG named "
+                      "(with .rankN or the rank in place of {rank} where the job had ranks)")
+    return entries
+
+
+def merge_logs(result: CheckResult, logs: Iterable[str]) -> CheckResult:
+    """Mark each finding of ``result`` ran or never ran from the migration logs at ``logs``; an unreadable log or line
+    is an error (exit status 2), the rest are still merged."""
+    merged = LogMerge()
+    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for path in logs:
+        merged.logs += 1
+        for entry in _read_log(path, result.errors):
+            key = (entry["kind"], entry.get("file"), entry.get("line"), entry["call"])
+            if key not in seen:  # every rank logs the same site: one entry, the ranks it ran on
+                seen[key] = {**entry, "ranks": []}
+            rank = entry.get("rank")
+            if rank is not None and rank not in seen[key]["ranks"]:
+                seen[key]["ranks"].append(rank)
+    lines: dict[tuple[str, int], list[int]] = {}
+    for index, finding in enumerate(result.findings):
+        lines.setdefault((os.path.realpath(finding.path), finding.line), []).append(index)
+    for entry in seen.values():
+        if entry["kind"] == "environment" or not entry.get("file"):
+            merged.environment.append(entry)
+            continue
+        at = lines.get((os.path.realpath(entry["file"]), entry.get("line") or 0))
+        if at is None:
+            merged.only_at_run_time.append(entry)
+        for index in at or ():
+            merged.ran.setdefault(index, []).append(entry)
+    result.log = merged
     return result

@@ -6,7 +6,7 @@ import json
 import sys
 from collections import Counter
 from collections.abc import Collection
-from typing import TextIO
+from typing import Any, TextIO
 
 from devshim_core.cuda_check import CheckResult, Finding
 from devshim_core.cuda_check.rules import CATEGORIES, PROBLEMS, Category
@@ -54,7 +54,13 @@ def summary(result: CheckResult, only: str | None = None) -> str:
         verdict = "cannot run where the unsupported lines marked 'if reached' run: check their conditions"
     else:
         verdict = "can run through devshim" + ("; read the review items" if counts["review"] else "")
-    return f"{files}: {tally} -- {verdict}"
+    text = f"{files}: {tally} -- {verdict}"
+    if result.log is not None:
+        ran = len(result.log.ran)
+        text += (f"\nmigration log ({result.log.logs} file{'s' if result.log.logs != 1 else ''}): {ran} ran, "
+                 f"{len(result.findings) - ran} never ran, {len(result.log.only_at_run_time)} only at run time, "
+                 f"{len(result.log.environment)} environment translations")
+    return text
 
 
 def line(f: Finding) -> str:
@@ -63,21 +69,46 @@ def line(f: Finding) -> str:
     return f"{f.path}:{f.line}:{f.col}: {f.category}{where}: {f.construct} -- {f.message}"
 
 
+def _run(entry: dict[str, Any]) -> str:
+    ranks = entry.get("ranks") or []
+    on = f" (ranks {', '.join(map(str, ranks))})" if len(ranks) > 1 else ""
+    return f"{entry['tag']}: {entry['call']} -- {entry['did']}{on}"
+
+
+def log_mark(result: CheckResult, index: int) -> str:
+    """`` [ran: TAG: CALL -- WHAT DEVSHIM DID]`` or `` [never ran]``; empty without a log."""
+    if result.log is None:
+        return ""
+    entries = result.log.ran.get(index)
+    return f" [ran: {'; '.join(_run(e) for e in entries)}]" if entries else " [never ran]"
+
+
 def render_text(result: CheckResult, out: TextIO | None = None, only: str | None = None) -> None:
     out = out or sys.stdout  # looked up per call: the stream may be replaced after import
     for text in header(result.target):
         print(text, file=out)
     shown = shown_categories(only)
-    for f in result.findings:
+    for index, f in enumerate(result.findings):
         if f.category in shown:
-            print(line(f), file=out)
+            print(line(f) + log_mark(result, index), file=out)
+    if result.log is not None:
+        for entry in result.log.only_at_run_time:
+            print(f"{entry['file']}:{entry['line']}: only at run time: {_run(entry)}", file=out)
+        for entry in result.log.environment:
+            print(f"environment: {_run(entry)}", file=out)
     print(summary(result, only), file=out)
 
 
 def render_json(result: CheckResult, out: TextIO | None = None, only: str | None = None) -> None:
     out = out or sys.stdout
     shown = shown_categories(only)
-    json.dump([f.as_dict() for f in result.findings if f.category in shown], out, indent=2)
+    if result.log is None:
+        json.dump([f.as_dict() for f in result.findings if f.category in shown], out, indent=2)
+    else:  # with --log: the findings, each with what ran there, and what ran with no finding
+        findings = [{**f.as_dict(), "ran": result.log.ran.get(i, [])}
+                    for i, f in enumerate(result.findings) if f.category in shown]
+        json.dump({"findings": findings, "only_at_run_time": result.log.only_at_run_time,
+                   "environment": result.log.environment}, out, indent=2)
     print(file=out)
 
 

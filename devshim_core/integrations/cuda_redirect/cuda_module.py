@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from devshim_core import migration_log
 from devshim_core.device import Device
 from devshim_core.errors import DevshimError
 from devshim_core.integrations.cuda_redirect import coverage
@@ -203,7 +204,27 @@ def replacements(d: Device, devices: DeviceMap) -> dict[str, Any]:
         "_lazy_init": lambda: None,
         "_lazy_call": lambda callable, **kwargs: callable(),
     }
+    log = migration_log.recorder()
+    if log is not None:
+        answers.update({n: _recorded(log, n, a) for n, a in answers.items()
+                        if not n.startswith("_") and callable(a) and not isinstance(a, type)})
     return answers
+
+
+def _recorded(log: migration_log.Recorder, name: str, answer: Callable[..., Any]) -> Callable[..., Any]:
+    """``answer``, recording its caller: ``modified`` where CUDA would answer otherwise (``coverage.MODIFIED``).
+    Classes (``Stream``, ``Event``, ``device``) are left unwrapped: ``isinstance`` must keep working."""
+    call = f"torch.cuda.{name}"
+    tag, did = ("modified", coverage.MODIFIED[name]) if name in coverage.MODIFIED else ("served", "answered by the "
+                                                                                         "device facade")
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        log.call(call, tag, "{}", did)
+        return answer(*args, **kwargs)
+
+    recorded.__name__ = recorded.__qualname__ = name
+    recorded.__wrapped__ = answer  # type: ignore[attr-defined]  # what functools.wraps would set
+    return recorded
 
 
 class _NvtxRanges:
@@ -251,14 +272,19 @@ def refuser(d: Device, name: str, why: str, original: Any) -> Any:
     """What stands for ``torch.cuda.<name>`` (``original``) under the redirect: it raises, naming the call. A class
     stays a class (``isinstance(x, torch.cuda.CUDAGraph)`` keeps working: nothing is one), a function keeps the
     original's signature for introspection."""
+    log, call = migration_log.recorder(), f"torch.cuda.{name}"
     if isinstance(original, type):
         def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+            if log is not None:
+                log.call(call, "refused", "{}", why)
             raise _refusal(d, name, why)
 
         return type(name, (), {"__new__": __new__, "__module__": "torch.cuda", "__qualname__": name,
                                "__doc__": f"Refused by devshim's CUDA redirect: {why}."})
 
     def refused(*args: Any, **kwargs: Any) -> Any:
+        if log is not None:
+            log.call(call, "refused", "{}", why)
         raise _refusal(d, name, why)
 
     refused.__name__ = refused.__qualname__ = name

@@ -4,7 +4,8 @@ Each fast path is one ``if`` on the arguments: a call that names no device forwa
 names one pays a memoised dictionary lookup (``bench/cuda_redirect.py``). The hot ones (torch's factories,
 ``Tensor.to``, ``Tensor.new_*``) are native (``_native.c``, compiled when devshim-core is installed): a Python
 wrapper's frame alone costs more than the redirect may add. Their Python versions here are the fallback
-without a compiler, and the specification both are tested against.
+without a compiler, and the specification both are tested against. With the migration log on
+(``DEVSHIM_MIGRATION_LOG``) the Python versions are used, and record each call site they redirect.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from devshim_core import import_hooks
+from devshim_core import import_hooks, migration_log
 from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
 
 try:
@@ -25,7 +26,8 @@ try:
 except ImportError:  # installed without a C compiler (setup.py builds it optionally)
     _native = None
 
-NATIVE = _native is not None
+# the native wrappers cannot record call sites: with the migration log on, the Python ones serve
+NATIVE = _native is not None and migration_log.recorder() is None
 IMPLEMENTATION = "native" if NATIVE else "python"
 
 Wrapper = Callable[[Callable[..., Any], DeviceMap], Callable[..., Any]]
@@ -47,6 +49,21 @@ def _register_for_torchscript(wrapper: Callable[..., Any], original: Callable[..
     op = _find_builtin(original)
     if op is not None:
         _register_builtin(wrapper, op)
+
+
+def _call_name(original: Callable[..., Any]) -> str:
+    """``torch.zeros``, ``Tensor.to``, ``Module.to``: how the log names a wrapped call."""
+    owner = str(getattr(original, "__qualname__", None) or getattr(original, "__name__", None) or original)
+    if "." in owner:  # a method: its class's public name (TensorBase's methods are Tensor's, the factories torch's)
+        cls, _, method = owner.rpartition(".")
+        cls = cls.removeprefix("_").replace("TensorBase", "Tensor").replace("VariableFunctionsClass", "torch")
+        return f"{cls}.{method}"
+    return f"{getattr(original, '__module__', None) or 'torch'}.{owner}"
+
+
+def _changed(spec: Any, mapped: Any) -> bool:
+    """Whether the map changed the device (the memo may hand back an equal, not the same, object)."""
+    return type(mapped) is not type(spec) or mapped != spec
 
 
 def _native_wrapper(original: Callable[..., Any], devices: DeviceMap, position: int = -1,
@@ -74,12 +91,15 @@ def device_keyword(original: Callable[..., Any], devices: DeviceMap, *, native: 
     ``Tensor.new_zeros(..., device='cuda')``, ``Module.to_empty(device='cuda')``."""
     if native:
         return _native_wrapper(original, devices)
+    log, name = migration_log.recorder(), _call_name(original)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             device = kwargs.get("device")
             if device is not None:
-                kwargs["device"] = devices(device)
+                mapped = kwargs["device"] = devices(device)
+                if log is not None and _changed(device, mapped):
+                    log.call(name, "served", "device={!r} -> {}", device, mapped)
         return original(*args, **kwargs)
 
     return _marked(call, original)
@@ -96,12 +116,19 @@ def factory(original: Callable[..., Any], devices: DeviceMap, *, native: bool = 
 
 def first_argument_device(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
     """``torch.set_default_device('cuda')`` and others whose device comes first or by keyword."""
+    log, name = migration_log.recorder(), _call_name(original)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if args:
-            args = (devices(args[0]), *args[1:])
+            device, mapped = args[0], devices(args[0])
+            args = (mapped, *args[1:])
         elif "device" in kwargs:
-            kwargs["device"] = devices(kwargs["device"])
+            device = kwargs["device"]
+            mapped = kwargs["device"] = devices(device)
+        else:
+            return original(*args, **kwargs)
+        if log is not None and _changed(device, mapped):
+            log.call(name, "served", "device {!r} -> {}", device, mapped)
         return original(*args, **kwargs)
 
     return _marked(call, original)
@@ -115,15 +142,20 @@ def method_to(original: Callable[..., Any], devices: DeviceMap, *, native: bool 
     a dtype or a tensor there is left alone) or the ``device`` keyword."""
     if native:
         return _native_wrapper(original, devices, position=1, kinds=_DEVICE_KINDS)
+    log, name = migration_log.recorder(), _call_name(original)
 
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        device = mapped = None
         if args:
             if type(args[0]) in _DEVICE_KINDS:
-                args = (devices(args[0]), *args[1:])
+                device, mapped = args[0], devices(args[0])
+                args = (mapped, *args[1:])
         elif kwargs:
             device = kwargs.get("device")
             if device is not None:
-                kwargs["device"] = devices(device)
+                mapped = kwargs["device"] = devices(device)
+        if log is not None and _changed(device, mapped):
+            log.call(name, "served", "device {!r} -> {}", device, mapped)
         return original(self, *args, **kwargs)
 
     return _marked(to, original)
@@ -132,8 +164,11 @@ def method_to(original: Callable[..., Any], devices: DeviceMap, *, native: bool 
 def tensor_cuda(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
     """``Tensor.cuda(device=None)``: to the selected device (the current index unless one is named)."""
     facade = devices.device
+    log = migration_log.recorder()
 
     def cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
+        if log is not None:
+            log.call("Tensor.cuda", "served", "to {}", facade.type)
         return self.to(facade.torch_device(devices.index(device)), non_blocking=non_blocking, **kwargs)
 
     return _marked(cuda, original)
@@ -142,8 +177,11 @@ def tensor_cuda(original: Callable[..., Any], devices: DeviceMap) -> Callable[..
 def module_cuda(original: Callable[..., Any], devices: DeviceMap) -> Callable[..., Any]:
     """``Module.cuda(device=None)``: parameters and buffers to the selected device."""
     facade = devices.device
+    log = migration_log.recorder()
 
     def cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
+        if log is not None:
+            log.call("Module.cuda", "served", "to {}", facade.type)
         return self.to(facade.torch_device(devices.index(device)))
 
     return _marked(cuda, original)
@@ -156,13 +194,17 @@ def backend_keyword(original: Callable[..., Any], devices: DeviceMap, position: 
     ``device_id`` (eager NCCL initialisation) is dropped: it names a device that is not there.
     """
     plugin_backend = devices.device.collectives.backend
+    log, name = migration_log.recorder(), f"torch.distributed.{getattr(original, '__name__', 'call')}"
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        backend = None
         if position is not None and len(args) > position:
             if _is_nccl(args[position]):
-                args = (*args[:position], plugin_backend, *args[position + 1:])
+                backend, args = args[position], (*args[:position], plugin_backend, *args[position + 1:])
         elif _is_nccl(kwargs.get("backend")):
-            kwargs["backend"] = plugin_backend
+            backend, kwargs["backend"] = kwargs["backend"], plugin_backend
+        if log is not None and backend is not None:
+            log.call(name, "served", "backend {!r} -> {!r}", backend, plugin_backend)
         device_id = kwargs.get("device_id")
         if device_id is not None and devices(device_id) is not device_id:
             del kwargs["device_id"]
@@ -196,9 +238,13 @@ def autocast_init(original: Callable[..., Any], devices: DeviceMap) -> Callable[
     """``autocast('cuda')``: autocast on the selected device, with CUDA's default dtype (float16) unless the
     script names one, so a script gets the precision it was written for."""
 
+    log = migration_log.recorder()
+
     def __init__(self: Any, device_type: Any, *args: Any, **kwargs: Any) -> None:
         if device_type == "cuda":
             device_type = devices.type
+            if log is not None:
+                log.call("torch.autocast", "served", "device_type 'cuda' -> {!r}", devices.type)
             if not args and kwargs.get("dtype") is None:
                 kwargs["dtype"] = torch.float16
         original(self, device_type, *args, **kwargs)
