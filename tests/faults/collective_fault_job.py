@@ -143,6 +143,8 @@ def killed() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(0.5)
     attempt("call", lambda: dist.all_reduce(torch.ones(1 << 16)))
+    RESULT["mappings_after"] = mappings()
+    attempt("again", lambda: dist.all_reduce(torch.ones(1 << 16)))
 
 
 def missing() -> None:

@@ -105,13 +105,18 @@ def test_destroy_process_group_unmaps_the_groups_segment():
 
 def test_a_rank_killed_between_collectives_is_named_by_the_survivor_within_seconds():
     """Fault: rank 1 gets SIGKILL while rank 0 is inside an all-reduce. Rank 0 raises naming rank 1 and its
-    process within seconds (not at the process group's timeout), and nothing is left in /dev/shm."""
+    process within seconds (not at the process group's timeout), its segment is unmapped, a later call on the group
+    raises the same failure at once, and nothing is left in /dev/shm."""
     rank0, rank1 = run_ranks("killed")
     assert rank1["returncode"] == -signal.SIGKILL
     call = rank0["call"]
     assert not call["ok"] and call["type"] == "CollectiveError", rank0
     assert "rank 1 of this 2-rank group exited" in call["message"], call["message"]
     assert call["seconds"] < SECONDS
+    assert rank0["mappings_after"] == 0
+    again = rank0["again"]
+    assert not again["ok"] and again["message"].startswith("devshim's shared-memory collectives stopped on this group "
+                                                           "after: ") and again["seconds"] < 1, again
     pids = {str(rank0["pid"]), str(os.getpid())}  # rank 1 printed nothing; rank 0 created the segment
     assert not [name for name in os.listdir(shm_segment.SHM_DIRECTORY)
                 if name.startswith(shm_segment.FILE_PREFIX) and name.split("-")[-2] in pids]

@@ -18,8 +18,8 @@ reading ``g``.
 Barriers are the counters of ``_shm_sync`` (a C extension; waiters spin briefly, then sleep on a futex the
 last arrival wakes): a gloo barrier would cost more than a small collective. A rank waiting at one checks, every
 ``LIVENESS_S``, that the ranks it waits for still run, and gives up after the process group's timeout; either way
-it raises :class:`~devshim_core.errors.CollectiveError` naming those ranks, and later calls on the group raise it
-again.
+it raises :class:`~devshim_core.errors.CollectiveError` naming those ranks, unmaps the segment, and later calls on
+the group raise it again.
 """
 
 from __future__ import annotations
@@ -171,7 +171,11 @@ class Segment:
                 if _shm_sync.load(self._address + rank * COUNTER_STRIDE) < target]
 
     def _fail(self, message: str) -> CollectiveError:
+        """Record the failure and unmap the segment: the group's lock is held, and every later call on the group
+        raises on ``failure`` before it would touch the mapping."""
         self.failure = message
+        self._headers = None
+        self.data = None  # the last reference to the mapping: torch unmaps it
         return CollectiveError(message)
 
     # -- the data paths: each runs after the first round's barrier, in that round ------------------------------
