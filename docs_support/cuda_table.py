@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from generated_block import rewrite_block  # beside this script
 
 from devshim_core.integrations.cuda_redirect import coverage
 
@@ -51,14 +52,7 @@ def markdown() -> str:
 
 def rewrite(page: Path) -> bool:
     """Rewrite ``page``'s table; True when it changed."""
-    text = page.read_text()
-    start = text.index(START)
-    body_start = text.index("\n", start) + 1
-    body_end = text.index(END, body_start)
-    new = text[:body_start] + markdown() + "\n" + text[body_end:]
-    if new != text:
-        page.write_text(new)
-    return new != text
+    return rewrite_block(page, START, END, markdown())
 
 
 if __name__ == "__main__":

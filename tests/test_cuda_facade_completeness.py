@@ -299,9 +299,10 @@ def test_deepspeed_on_device_imported_first_keeps_the_redirect_after_its_block()
     assert done.returncode == 0 and done.stdout.strip().endswith("kept"), done.stderr[-3000:]
 
 
-def test_the_docs_table_is_generated_from_the_code():
+def test_the_docs_table_is_generated_from_the_code(monkeypatch):
     """docs/cuda-scripts.md's table is ``docs_support/cuda_table.py``'s output for this torch (devshim off)."""
     repo = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(repo / "docs_support"))  # as when it runs as a script: its helper beside it
     spec = importlib.util.spec_from_file_location("cuda_table", repo / "docs_support" / "cuda_table.py")
     assert spec is not None and spec.loader is not None
     cuda_table = importlib.util.module_from_spec(spec)
