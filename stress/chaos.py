@@ -368,7 +368,9 @@ def judge_stop(stderr: str, save_dir: Path) -> tuple[bool, str]:
 # -- the final checkpoint against the uninterrupted run's ----------------------------------------------------
 
 
-def _differences(a: Any, b: Any, where: str) -> list[str]:
+def value_differences(a: Any, b: Any, where: str) -> list[str]:
+    """Where two loaded values differ (tensors by dtype, shape and ``torch.equal``; containers and objects
+    recursively), each named by its path from ``where``; also the restart spec's comparison."""
     import torch
 
     if torch.is_tensor(a) or torch.is_tensor(b):
@@ -377,11 +379,13 @@ def _differences(a: Any, b: Any, where: str) -> list[str]:
         return [] if same else [where]
     if isinstance(a, dict) and isinstance(b, dict):
         keys = [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"] if a.keys() != b.keys() else []
-        return keys + [d for key in a.keys() & b.keys() for d in _differences(a[key], b[key], f"{where}.{key}")]
+        return keys + [d for key in a.keys() & b.keys()
+                       for d in value_differences(a[key], b[key], f"{where}.{key}")]
     if isinstance(a, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{where}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True))
+                for d in value_differences(x, y, f"{where}[{i}]")]
     if type(a) is type(b) and hasattr(a, "__dict__") and not isinstance(a, type):
-        return _differences(vars(a), vars(b), f"{where}<{type(a).__name__}>")
+        return value_differences(vars(a), vars(b), f"{where}<{type(a).__name__}>")
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
@@ -419,7 +423,7 @@ def checkpoint_differences(checkpoint: Path, reference: Path) -> list[str]:
             pairs = [(checkpoint / n, reference / n, n) for n in names]
         try:
             return [d for mine, theirs, where in pairs
-                    for d in _differences(_load_values(mine, Path(scratch)), _load_values(theirs, Path(scratch)),
+                    for d in value_differences(_load_values(mine, Path(scratch)), _load_values(theirs, Path(scratch)),
                                           where)]
         except Exception as exc:  # a final checkpoint that does not load is as wrong as one that loads wrong
             return [f"{checkpoint.name} does not load: {type(exc).__name__}: {exc}"[:400]]

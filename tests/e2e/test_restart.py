@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from stress.chaos import value_differences
+
 from .launch import Job, assert_loss_fell, free_port, run_job
 from .platforms import CPU
 
@@ -121,26 +123,12 @@ def checkpoint_differences(checkpoint: Path, reference: Path) -> list[str]:
     """
     import torch  # here: the tests' own process never needs it otherwise
 
-    def diff(a: Any, b: Any, where: str) -> list[str]:
-        if torch.is_tensor(a) or torch.is_tensor(b):
-            same = (torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
-                    and torch.equal(a, b))
-            return [] if same else [where]
-        if isinstance(a, dict) and isinstance(b, dict):
-            keys = [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"] if a.keys() != b.keys() else []
-            return keys + [d for key in a.keys() & b.keys() for d in diff(a[key], b[key], f"{where}.{key}")]
-        if isinstance(a, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
-            return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in diff(x, y, f"{where}[{i}]")]
-        if type(a) is type(b) and hasattr(a, "__dict__") and not isinstance(a, type):
-            return diff(vars(a), vars(b), f"{where}<{type(a).__name__}>")
-        return [] if a == b else [f"{where}: {a!r} != {b!r}"]
-
     names = sorted(p.name for p in checkpoint.iterdir())
     if names != sorted(p.name for p in reference.iterdir()):
         return [f"files {names} != {sorted(p.name for p in reference.iterdir())}"]
     return [d for name in names
-            for d in diff(torch.load(checkpoint / name, map_location="cpu", weights_only=False),
-                          torch.load(reference / name, map_location="cpu", weights_only=False), name)]
+            for d in value_differences(torch.load(checkpoint / name, map_location="cpu", weights_only=False),
+                                       torch.load(reference / name, map_location="cpu", weights_only=False), name)]
 
 
 def test_rank_killed_mid_training_restarts_from_the_latest_checkpoint_with_identical_losses(
