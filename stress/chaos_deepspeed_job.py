@@ -13,7 +13,6 @@ It prints the lines the harness (``stress/chaos.py``) reads, one per event (:mod
 
 import devshim_core.auto  # noqa: F401, I001 - first: the only line a DeepSpeed script adds
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from tests.e2e import restart_job
 
 # the restart spec's model and data (tests/e2e/restart_job.py), wider
 VOCAB, HIDDEN = 256, 256
-MICRO_BATCH, SEED = restart_job.MICRO_BATCH, restart_job.SEED
+SEED = restart_job.SEED
 
 
 def batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,11 +36,7 @@ def batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, tor
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=9)
-    p.add_argument("--save-every", type=int, default=3)
-    p.add_argument("--save-dir", type=Path, required=True)
-    args = p.parse_args()
+    args = say.job_arguments(__doc__)
 
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -53,16 +48,8 @@ def main() -> None:
     accel.manual_seed_all(SEED)
 
     model = restart_job.TinyLM(vocab=VOCAB, hidden=HIDDEN)
-    config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": MICRO_BATCH * world,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 2},
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10**9,
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=restart_job.zero2_config(world))
 
     load_path, client = engine.load_checkpoint(str(args.save_dir))  # (None, None) when no `latest` exists
     start = int(client["step"]) if load_path is not None else 0

@@ -15,7 +15,6 @@ It prints the lines the harness (``stress/chaos.py``) reads (:mod:`stress.chaos_
 
 import devshim_core.auto  # noqa: F401, I001 - first: detect, select a plugin, patch
 
-import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -39,11 +38,7 @@ def example() -> ModuleType:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=9)
-    p.add_argument("--save-every", type=int, default=3)
-    p.add_argument("--save-dir", type=Path, required=True)
-    args = p.parse_args()
+    args = say.job_arguments(__doc__)
 
     gpt = example()
     o = gpt.Options(tp=2, hidden=256, heads=4, layers=2, seq=128, vocab=128, micro_batch=8, global_batch=8)

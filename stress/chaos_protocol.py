@@ -6,15 +6,26 @@ Losses are printed with ``repr``, so the harness compares the exact floats the j
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _STARTED = re.compile(r"^chaos: rank (\d+) pid (\d+) started$")
 _RESUMED = re.compile(r"^chaos: resumed (\S+) step (\d+)$")
 _STEP = re.compile(r"^chaos: step (\d+) loss (\S+)$")
 _SAVED = re.compile(r"^chaos: saved (\S+)$")
 _FINISHED = re.compile(r"^chaos: rank (\d+) finished (\d+) steps; shared-memory collectives (\w+)$")
+
+
+def job_arguments(description: str | None) -> argparse.Namespace:
+    """The command line every chaos job takes: ``--steps``, ``--save-every``, ``--save-dir``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--steps", type=int, default=9)
+    p.add_argument("--save-every", type=int, default=3)
+    p.add_argument("--save-dir", type=Path, required=True)
+    return p.parse_args()
 
 
 def _say(line: str) -> None:

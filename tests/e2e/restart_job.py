@@ -68,6 +68,19 @@ class TinyLM(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
+def zero2_config(world: int) -> dict[str, Any]:
+    """ZeRO-2, fp32, AdamW with clipping, one micro-batch of ``MICRO_BATCH`` per rank and step."""
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": MICRO_BATCH * world,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 2},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+    }
+
+
 def batch(step: int, rank: int, device: torch.device, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s data on ``rank``: t[i+1] = (5 t[i] + 3) mod V with 10 % random tokens, from the step alone."""
     g = torch.Generator().manual_seed(SEED * 1000003 + step * 101 + rank)
@@ -142,16 +155,8 @@ def main() -> None:
     log_event(args.events, rank, "start")
 
     model = TinyLM()
-    config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": MICRO_BATCH * world,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 2},
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10**9,
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=zero2_config(world))
 
     found = inventory(args.save_dir) if rank == 0 else None  # before load_checkpoint touches anything
     load_path, client = engine.load_checkpoint(str(args.save_dir))  # (None, None) when no `latest` exists
