@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,12 +162,7 @@ class Device:
 
 def _checked(registry: PluginRegistry, record: PluginRecord, hook: str, expected: type | None,
              default: Any = None) -> Any:
-    try:
-        answer = registry.call(record, hook, report=record.report)
-    except Exception as exc:
-        raise PluginError(f"plugin {record.name!r} raised in {hook}: {type(exc).__name__}: {exc}\n"
-                          f"{traceback.format_exc()}\nForce another plugin with DEVSHIM_PLUGIN=<name> or block this "
-                          f"one with DEVSHIM_DISABLED_PLUGINS={record.name}.") from exc
+    answer = registry.ask(record, hook)
     if answer is None:
         if default is None:
             raise PluginError(f"plugin {record.name!r} does not implement {hook}, which a selectable plugin must.")

@@ -142,12 +142,7 @@ def migrate(registry: Any, record: Any, detect_timeout: float = 0.0, *, announce
     what the runtime sees); a device that is no longer usable raises :class:`ConfigError` naming the translation.
     ``announce``: log the translations and the warning (rank 0 only, as the session's other messages)."""
     env = os.environ if environ is None else environ
-    try:
-        mapping = registry.call(record, HOOK, report=record.report)
-    except Exception as exc:
-        raise PluginError(f"plugin {record.name!r} raised in {HOOK}: {type(exc).__name__}: {exc}. Force another "
-                          f"plugin with DEVSHIM_PLUGIN=<name> or block this one with "
-                          f"DEVSHIM_DISABLED_PLUGINS={record.name}.") from exc
+    mapping = registry.ask(record, HOOK)
     if mapping is None:
         return None
     check_environment_map(mapping, record.name, HOOK)

@@ -19,6 +19,7 @@ import pluggy
 
 from devshim_core import hookspecs, log, switches
 from devshim_core.distributions import name_and_version
+from devshim_core.errors import PluginError
 from devshim_core.records import DeviceReport
 from devshim_core.settings import Settings
 
@@ -133,6 +134,16 @@ class PluginRegistry:
         others = [p for p in self.manager.get_plugins() if p is not record.plugin]
         caller = self.manager.subset_hook_caller(hook, remove_plugins=others)
         return caller(**kwargs)
+
+    def ask(self, record: PluginRecord, hook: str) -> Any:
+        """The selected plugin's answer to ``hook`` (given its report), as :meth:`call`; a hook that raises becomes a
+        :class:`~devshim_core.errors.PluginError` naming the plugin, the hook and the traceback, and what to do."""
+        try:
+            return self.call(record, hook, report=record.report)
+        except Exception as exc:
+            raise PluginError(f"plugin {record.name!r} raised in {hook}: {type(exc).__name__}: {exc}\n"
+                              f"{traceback.format_exc()}\nForce another plugin with DEVSHIM_PLUGIN=<name> or block "
+                              f"this one with DEVSHIM_DISABLED_PLUGINS={record.name}.") from exc
 
     def detect(self, record: PluginRecord, timeout: float = 0.0) -> None:
         """Ask ``record``'s plugin for its report, waiting at most ``timeout`` seconds (0: no limit). A plugin that
