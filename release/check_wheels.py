@@ -85,7 +85,8 @@ ENTRY_POINTS: dict[str, tuple[set[str], set[str]]] = {
 }
 # a wheel without these silently falls back to PyTorch or Python code: a release must carry them
 NATIVE_LIBRARIES: dict[str, tuple[str, ...]] = {
-    CORE: ("devshim_core/integrations/cuda_redirect/_native.",),
+    CORE: ("devshim_core/integrations/cuda_redirect/_native.",
+           "devshim_core/integrations/torch_distributed/_shm_sync."),
     "devshim-kernels": ("devshim_kernels/_native/_adam.", "devshim_kernels/_native/_rowwise.",
                         "devshim_kernels/_native/_aio."),
 }
@@ -382,8 +383,9 @@ for name in names:
     }
 import devshim_kernels.adam, devshim_kernels.file_io
 from devshim_core.integrations.cuda_redirect import wrappers
+from devshim_core.integrations.torch_distributed import shm_segment
 out["native"] = {"adam": devshim_kernels.adam.implementation(), "file_io": devshim_kernels.file_io.AVAILABLE,
-                 "cuda_redirect": wrappers.IMPLEMENTATION}
+                 "cuda_redirect": wrappers.IMPLEMENTATION, "shared_memory_barrier": shm_segment.NATIVE}
 print(json.dumps(out))
 """
 
@@ -413,7 +415,8 @@ def check_import_locations(facts: dict[str, Any], venv: Venv) -> str:
 
 def check_native(facts: dict[str, Any]) -> str:
     native = facts["native"]
-    expect(native["adam"].startswith("native") and native["file_io"] and native["cuda_redirect"] == "native",
+    expect(native["adam"].startswith("native") and native["file_io"] and native["cuda_redirect"] == "native"
+           and native["shared_memory_barrier"],
            f"a native library of the installed wheels did not load: {native}")
     return native["adam"]
 
