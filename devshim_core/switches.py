@@ -88,8 +88,8 @@ SWITCHES: tuple[Switch, ...] = (
            "selected device (an alias of DEVSHIM_DISABLE=cuda-redirect); never applied on a CUDA device", _bool),
     Switch("DEVSHIM_PATCH_DISTRIBUTED", BOOLEAN, "1", "0: leave torch.distributed as it is (no exit callback, "
            "shared-memory collectives, named timeouts or plugin agreement)", _bool),
-    Switch("DEVSHIM_SHARED_MEMORY_COLLECTIVES", BOOLEAN, "1", "0: keep gloo's TCP transport for large CPU "
-           "collectives between ranks of one host", _bool),
+    Switch("DEVSHIM_SHARED_MEMORY_COLLECTIVES", BOOLEAN, "1", "0: keep gloo's TCP transport for CPU "
+           "collectives between ranks of one host (set it alike on every rank)", _bool),
     Switch("DEVSHIM_CUDA_FACADE", BOOLEAN, "0", "on a CUDA device, route DeepSpeed through devshim's accelerator and "
            "op builders instead of standing aside", _bool),
     Switch("DEVSHIM_MIGRATION_LOG", "a file path; {rank} in it is replaced by the rank", "unset", "append one JSON "

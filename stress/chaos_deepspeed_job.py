@@ -2,9 +2,9 @@
 
 An ordinary fault-tolerant DeepSpeed script plus devshim's one line, nothing chaos-specific in its training path:
 the data of step k comes from (seed, k, rank) alone, ``save_checkpoint`` stores the step as client state, and on
-start ``load_checkpoint`` resumes from whatever ``latest`` names, if anything. The model is large enough (2.6 MiB
-of fp32 parameters) that ZeRO-2's gradient reduction and parameter all-gather move more than 1 MiB per rank, so
-devshim's shared-memory collectives serve them whenever ``/dev/shm`` has room.
+start ``load_checkpoint`` resumes from whatever ``latest`` names, if anything. The model has 2.6 MiB of fp32
+parameters; ZeRO-2's gradient reduction and parameter all-gather go through devshim's shared-memory collectives
+whenever ``/dev/shm`` has room.
 
 It prints the lines the harness (``stress/chaos.py``) reads, one per event (:mod:`stress.chaos_protocol`).
 

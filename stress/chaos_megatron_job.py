@@ -1,8 +1,8 @@
 """The chaos loop's megatron-core job: 2 ranks, tensor parallel 2, a checkpoint every ``--save-every`` steps, resume.
 
 The model, data and step are ``examples/megatron_gpt.py``'s (imported from it, CUDA-written, run by devshim's
-redirect), sized so that each tensor-parallel all-reduce of activations ([128 tokens, 8 sequences, 256] fp32) moves
-1 MiB per rank: devshim's shared-memory collectives serve it whenever ``/dev/shm`` has room. The data of step k
+redirect), each tensor-parallel all-reduce of activations ([128 tokens, 8 sequences, 256] fp32) moving 1 MiB per
+rank through devshim's shared-memory collectives whenever ``/dev/shm`` has room. The data of step k
 comes from k alone. Checkpoints are the example's ``megatron.core.dist_checkpointing`` saves of model and optimizer,
 laid out as Megatron-LM lays them out: ``iter_0000003/`` and a tracker file
 ``latest_checkpointed_iteration.txt`` that rank 0 writes once every rank has finished the save. On start the job

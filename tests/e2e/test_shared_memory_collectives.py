@@ -1,4 +1,4 @@
-"""Spec: large CPU collectives between ranks of one host go through shared memory (``shared_memory_job.py``).
+"""Spec: CPU collectives between ranks of one host go through shared memory (``shared_memory_job.py``).
 
 With two ranks the results equal gloo's bit for bit; with three, integers and gathers still do, and floating-point
 sums agree with gloo's within a few ulps of the dtype (the order of the additions differs). What the path does

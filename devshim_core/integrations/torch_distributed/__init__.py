@@ -49,7 +49,7 @@ def job_patch_sets(device: Device, job_level: bool = True,
     sets = [(clean_exit.patch_set(device), "gloo workers settle before finalization")] if job_level else []
     # before the timeouts, which then name the caller's collective when a barrier inside these times out
     if job_level and shared_memory_collectives:
-        sets.append((shared_memory.patch_set(device), "large CPU collectives on one host through shared memory"))
+        sets.append((shared_memory.patch_set(device), "CPU collectives on one host through shared memory"))
     if job_level:
         sets += [(timeouts.patch_set(device), f"{len(timeouts.COLLECTIVES)} collectives name their timeouts"),
                  (agreement.patch_set(device, shared_memory_collectives),
