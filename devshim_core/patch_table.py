@@ -13,8 +13,9 @@ from typing import Any
 from devshim_core.patching import REGISTRY
 from devshim_core.session import activate
 
-# what a Megatron or DeepSpeed script imports; each fires the patch sets armed for it
-_FRAMEWORK_MODULES = ("deepspeed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer")
+# what a Megatron, DeepSpeed or HF Trainer script imports; each fires the patch sets armed for it
+_FRAMEWORK_MODULES = ("deepspeed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
+                      "accelerate.accelerator", "transformers.training_args")
 
 
 def collect() -> list[dict[str, Any]]:  # REGISTRY.report()'s rows

@@ -67,6 +67,7 @@ EMULATION_FILES = (
     "devshim_emulation/sdk/cann/version.info",
     "devshim_emulation/sdk/torch_npu/__init__.py",
     "devshim_emulation/sdk/torch_npu/_ops.py",
+    "devshim_emulation/sdk/torch_npu/amp.py",
     "devshim_emulation/sdk/torch_npu/optim/__init__.py",
     "devshim_emulation/sdk/torch_npu-2.13.0.dist-info/METADATA",
     "devshim_emulation/sdk/torch_npu-2.13.0.dist-info/top_level.txt",

@@ -222,7 +222,7 @@ def test_utilization_is_the_vendor_modules_where_it_has_one(monkeypatch):
 def test_transformers_loads_a_gpt2_saved_on_a_gpu_and_moves_it_to_cuda(cuda, tmp_path):
     """transformers writes safetensors (no locations at all) and reads .bin files with map_location='cpu': a .bin
     from a GPU loads even without devshim. The spec: both load here with the GPU's values, and `.to('cuda')`, as a
-    CUDA user then writes, lands on the device. (`device_map='cuda'` needs accelerate, not installed here.)"""
+    CUDA user then writes, lands on the device. (`device_map=...`: tests/test_huggingface_devices.py.)"""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)

@@ -32,6 +32,15 @@ def test_the_support_table_row_of_this_release_is_what_the_code_declares():
     assert project["version"] == __version__
 
 
+def test_the_hf_libraries_ranges_and_tested_versions_are_the_ones_declared_and_installed():
+    from devshim_core.integrations.huggingface.patches import ACCELERATE, TRANSFORMERS
+
+    paragraph = " ".join(DOC.split("**HF Accelerate and transformers**", 1)[1].split("\n\n", 1)[0].split())
+    assert f"Accelerate {ACCELERATE.spec} and transformers {TRANSFORMERS.spec}" in paragraph
+    assert (f"CI runs Accelerate {pinned('requirements-dev.txt', 'accelerate')} and transformers "
+            f"{pinned('requirements-dev.txt', 'transformers')}") in paragraph
+
+
 def test_the_tested_versions_are_the_ones_ci_installs():
     tested = " ".join(DOC.split("**Tested in CI**", 1)[1].split("\n\n", 1)[0].split())
     oldest = re.search(r"^OLDEST_DEEPSPEED := (\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE).group(1)

@@ -13,14 +13,16 @@ ENTRY_POINT_GROUP = "devshim.integrations"
 
 def builtin() -> list[Integration]:
     """devshim's own, in the order they install: torch.distributed's job sets, the CUDA redirect, then the frameworks
-    (Megatron needs the redirect applied before it), then the checkpoints both frameworks save and load."""
+    (Megatron needs the redirect applied before it), then the checkpoints both frameworks save and load, then HF
+    Accelerate's and transformers' device choice."""
     from devshim_core.integrations.checkpoints.integration import INTEGRATION as CHECKPOINTS
     from devshim_core.integrations.cuda_redirect.integration import INTEGRATION as CUDA_REDIRECT
     from devshim_core.integrations.deepspeed.integration import INTEGRATION as DEEPSPEED
+    from devshim_core.integrations.huggingface.integration import INTEGRATION as HUGGINGFACE
     from devshim_core.integrations.megatron.integration import INTEGRATION as MEGATRON
     from devshim_core.integrations.torch_distributed.integration import INTEGRATION as TORCH_DISTRIBUTED
 
-    return [TORCH_DISTRIBUTED, CUDA_REDIRECT, DEEPSPEED, MEGATRON, CHECKPOINTS]
+    return [TORCH_DISTRIBUTED, CUDA_REDIRECT, DEEPSPEED, MEGATRON, CHECKPOINTS, HUGGINGFACE]
 
 
 def third_party(taken: set[str]) -> list[Integration]:

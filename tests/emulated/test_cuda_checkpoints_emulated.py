@@ -16,6 +16,8 @@ its legacy one, plus one saved on a GPU this process does not have (``cuda:8``).
   which no torch without the vendor's SDK can restore without a map_location.
 - ``torch.Generator(device='cuda:1')``, ``torch.UntypedStorage(n, device='cuda:1')`` are the vendor's own, on index 1;
   ``torch.cuda.utilization()`` is refused naming the call (the emulated device reports no utilization).
+- transformers' ``from_pretrained`` with a CUDA ``device_map`` (``'cuda'``, ``{'': 1}``, ``'auto'``) loads onto the
+  device's indices.
 
 Run once per vendor, in a process of its own (``DEVSHIM_EMULATE=ascend pytest tests/emulated``, then sophgo).
 """
@@ -175,3 +177,25 @@ def test_utilization_is_refused_naming_the_call_and_the_device(cuda):
     with pytest.raises(DevshimError, match=rf"^torch\.cuda\.utilization\(\) has no answer on {DEVICE_TYPE} "
                                            rf"\(devshim plugin {PLUGIN}\)"):
         torch.cuda.utilization()
+
+
+def test_from_pretrained_with_a_cuda_device_map_puts_the_model_on_the_device(cuda, tmp_path):
+    """transformers' ``device_map`` goes through Accelerate: ``'cuda'`` is the current device, ``'auto'`` spreads
+    the modules over the devices the process sees (as over GPUs), ``{'': 1}`` is index 1; the logits are the saved
+    model's."""
+    pytest.importorskip("accelerate", reason="transformers' device_map needs accelerate (requirements-dev.txt)")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=16)).eval()
+    model.save_pretrained(tmp_path)
+    tokens = torch.tensor([[1, 5, 7, 2]])
+    expected = model(tokens).logits
+    for device_map, indices in (("cuda", {0}), ({"": 1}, {1}), ("auto", None)):
+        loaded = GPT2LMHeadModel.from_pretrained(tmp_path, device_map=device_map).eval()
+        devices = {p.device for p in loaded.parameters()}
+        assert {d.type for d in devices} == {DEVICE_TYPE}, device_map
+        if indices is not None:
+            assert {d.index for d in devices} == indices, device_map
+        first = next(loaded.parameters()).device
+        assert torch.allclose(loaded(tokens.to(first)).logits.cpu(), expected, rtol=1e-5, atol=1e-6), device_map

@@ -41,7 +41,9 @@ for _name, _dtype in (("BoolTensor", torch.bool), ("ByteTensor", torch.uint8), (
     setattr(npu, _name, _LegacyTensorType(_name, (), {"dtype": _dtype, "__module__": "torch.npu"}))
 del _name, _dtype
 
-from torch_npu import _ops, optim  # noqa: E402  (the device must exist before its ops register)
+from torch_npu import _ops, amp, optim  # noqa: E402  (the device must exist before its ops register)
+
+npu.amp = amp  # torch.npu.amp, as torch_npu's torch.npu module has it
 from torch_npu._ops import (  # noqa: E402
     npu_apply_adam_w,
     npu_fusion_attention,
@@ -50,6 +52,6 @@ from torch_npu._ops import (  # noqa: E402
     npu_swiglu,
 )
 
-__all__ = ["EMULATED", "npu", "npu_apply_adam_w", "npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul",
+__all__ = ["EMULATED", "amp", "npu", "npu_apply_adam_w", "npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul",
            "npu_swiglu", "optim"]
 assert torch.npu is npu and _ops is not None
