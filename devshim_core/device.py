@@ -154,7 +154,7 @@ class Device:
                                   for k in ("fused_adamw", "host_adam_step", "host_adam_rollback")},
             "attention_kernels": {k: getattr(attention, k) is not None
                                   for k in ("attention", "rms_norm", "swiglu", "rotary", "masked_softmax",
-                                            "wgrad_accumulate")},
+                                            "wgrad_accumulate", "grouped_gemm")},
             "kernel_sources": {"optimizer": optimizer.source, "attention": attention.source},
             "offload_io": {"file_io": self.offload_io.file_io is not None, "source": self.offload_io.source},
         }
@@ -173,6 +173,20 @@ def _checked(registry: PluginRegistry, record: PluginRecord, hook: str, expected
     if dataclasses.is_dataclass(answer):
         check_record(answer, record.name, hook)
     return answer
+
+
+def _with_grouped_gemm(kernels: FusedKernels) -> FusedKernels:
+    """``kernels`` with devshim_kernels' grouped GEMM where the plugin has none: a loop of matmuls runs on any
+    device, and without it MoE's grouped GEMM (``--moe-grouped-gemm``) would have no path at all off CUDA."""
+    if kernels.grouped_gemm is not None:
+        return kernels
+    try:
+        from devshim_kernels import grouped_gemm
+    except ImportError:  # devshim-kernels not installed: the op stays None and the flag is Megatron's to refuse
+        return kernels
+    source = kernels.source if kernels.source in ("", "devshim_kernels") else (
+        f"{kernels.source}; grouped_gemm: devshim_kernels")
+    return dataclasses.replace(kernels, grouped_gemm=grouped_gemm, source=source)
 
 
 def _check_allocator_config(plugin: str, allocator: AllocatorSpec) -> None:
@@ -201,7 +215,8 @@ def build_device(registry: PluginRegistry, selection: Selection) -> Device:
     allocator = _checked(registry, record, "devshim_allocator", AllocatorSpec)
     _check_allocator_config(record.name, allocator)
     optimizer = _checked(registry, record, "devshim_optimizer_kernels", OptimizerKernels, OptimizerKernels())
-    attention = _checked(registry, record, "devshim_attention_kernels", FusedKernels, FusedKernels())
+    attention = _with_grouped_gemm(_checked(registry, record, "devshim_attention_kernels", FusedKernels,
+                                            FusedKernels()))
     # host file I/O is the same whatever the device: a plugin that does not answer gets devshim's (host_defaults)
     offload_io = _checked(registry, record, "devshim_offload_io", OffloadIO, host_defaults.offload_io())
     patch_lists = _checked(registry, record, "devshim_patches", list, [])

@@ -277,7 +277,7 @@ class OffloadIO:
 @dataclass(frozen=True)
 class FusedKernels:
     """Attention and the fused ops that ride with it (``devshim_attention_kernels``: rms_norm, swiglu, rotary, masked
-    softmax, wgrad accumulation), each ``None`` when
+    softmax, wgrad accumulation, grouped GEMM), each ``None`` when
     the plugin has no such op. The signatures are PyTorch's conventions, whatever the vendor's are:
 
     - ``attention(q, k, v, *, layout, num_heads=None, attn_mask=None, mask_true_means_masked=False, causal=False,
@@ -304,6 +304,14 @@ class FusedKernels:
       total_input`` in place, leading dimensions flattened ([..., in], [..., out] -> [out, in]), products summed
       in fp32 and rounded once to ``main_grad``'s dtype (fp32, fp16 or bf16), as Megatron's gradient-accumulation
       fusion.
+    - ``grouped_gemm(x, weight, group_sizes, *, trans_b=False) -> Tensor``: MoE experts' grouped GEMM (Megatron's
+      ``grouped_gemm.ops.gmm``, MindSpeed's ``npu_grouped_matmul``): ``x`` [T, K] holds the groups' rows one group
+      after another, ``weight`` [G, K, N] ([G, N, K] with ``trans_b``, multiplied transposed), ``group_sizes`` G
+      non-negative row counts summing to T (a 1-D integer tensor on the host or the device, or a sequence of
+      ints); the result [T, N] holds ``x_g @ weight[g]`` for each group in order. ``x`` and ``weight`` share a
+      floating dtype (fp32, fp16, bf16), which the result has. Differentiable in ``x`` and ``weight`` (a group with no
+      rows gets a zero weight gradient). The device facade fills a plugin's ``None`` with ``devshim_kernels``'
+      loop of matmuls, so it is never ``None`` where ``devshim_kernels`` is installed.
 
     ``devshim_kernels`` implements every op with these semantics; a vendor plugin may answer some ops with
     its SDK and the rest with ``devshim_kernels``' (op by op), and tests compare a vendor op against it.
@@ -315,6 +323,7 @@ class FusedKernels:
     rotary: Callable[..., Any] | None = None
     masked_softmax: Callable[..., Any] | None = None
     wgrad_accumulate: Callable[..., None] | None = None
+    grouped_gemm: Callable[..., Any] | None = None
     source: str = ""
 
 

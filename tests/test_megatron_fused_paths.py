@@ -12,21 +12,18 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import socket
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from megatron_world import fused_patches_applied, one_rank_megatron
 
-from devshim_core import session
 from devshim_core.device import Device, build_device
-from devshim_core.integrations.megatron.fused_ops import DeviceRMSNorm, fused_patches
+from devshim_core.integrations.megatron.fused_ops import DeviceRMSNorm
 from devshim_core.integrations.megatron.wgrad_module import make_module
-from devshim_core.patching import REGISTRY, PatchSet
 from devshim_core.plugins import discover
 from devshim_core.selection import select
 from devshim_core.settings import Settings
@@ -67,7 +64,7 @@ DEVICE = counting_device(BASE)
 sys.modules["fused_weight_gradient_mlp_cuda"] = make_module(DEVICE)
 
 pytest.importorskip("megatron.core", reason="the fused paths are Megatron's")
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.fusions import fused_bias_swiglu, fused_softmax  # noqa: E402
 from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
@@ -83,49 +80,17 @@ SEQ, BATCH, VOCAB = 16, 2, 128
 RTOL, ATOL = 1e-5, 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def megatron_world() -> Iterator[None]:
-    """devshim on cpu_reference, a one-rank gloo world and Megatron's model-parallel state (TP = PP = 1)."""
-    had_session = session.current() is not None
-    session.deactivate()
-    session.activate({"DEVSHIM_PLUGIN": "cpu_reference", "DEVSHIM_PATCH_MEGATRON": "0"})
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    with pytest.MonkeyPatch.context() as mp:
-        # Megatron's jit_fuser is torch.compile: compiling its own SwiGLU/RoPE helpers takes longer than this whole
-        # module and is not under test (the comparison runs them eagerly)
-        mp.setattr(torch._dynamo.config, "disable", True)
+    with one_rank_megatron() as mp:
         mp.setattr(layers, "fused_weight_gradient_mlp_cuda", sys.modules["fused_weight_gradient_mlp_cuda"],
                    raising=False)
         mp.setattr(layers, "_grad_accum_fusion_available", True)
-        parallel_state.initialize_model_parallel(1, 1)
-        try:
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-            if own_group:
-                dist.destroy_process_group()
-            session.deactivate()
-            if had_session:
-                session.activate()
-
-
-@contextlib.contextmanager
-def fused(device: Device = DEVICE) -> Iterator[None]:
-    name = "megatron-fused-under-test"
-    REGISTRY.apply(PatchSet(name=name, requires=(), patches=fused_patches(device),
-                            reason="what devshim's Megatron integration applies"), device)
-    try:
         yield
-    finally:
-        REGISTRY.revert(name)
+
+
+def fused(device: Device = DEVICE) -> contextlib.AbstractContextManager[None]:
+    return fused_patches_applied(device)
 
 
 @pytest.fixture(autouse=True)

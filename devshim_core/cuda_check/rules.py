@@ -27,9 +27,14 @@ PROBLEMS: tuple[Category, ...] = ("review", "unsupported")
 # CUDA extension modules devshim's Megatron integration provides (extension_modules.provided builds them for the device,
 # so they are named here; tests/test_cuda_check.py imports each under devshim). The megatron-core stand-in it also
 # provides when triton is missing is Megatron's own module, not a CUDA extension a script imports.
+_SOFTMAX = ("provided by devshim's Megatron integration (on the plugin's masked_softmax) when Megatron is "
+            "importable")
 PROVIDED: dict[str, str] = {
     "fused_weight_gradient_mlp_cuda": "provided by devshim's Megatron integration (on the plugin's wgrad_accumulate) "
                                       "when Megatron is importable",
+    "scaled_masked_softmax_cuda": _SOFTMAX,
+    "scaled_upper_triang_masked_softmax_cuda": _SOFTMAX,
+    "scaled_softmax_cuda": _SOFTMAX,
 }
 
 # Modules devshim blocks off CUDA, read from the blocker's own table: importing one (or anything under it) raises

@@ -9,6 +9,9 @@ entry point, so it is loaded, and the device up, before this conftest is importe
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 import devshim_emulation as emulation
 import pytest
 
@@ -27,6 +30,15 @@ def vendor() -> str:
 @pytest.fixture(scope="session")
 def device_type(emulated_device: object) -> str:
     return DEVICE_TYPE
+
+
+PLUGIN_KERNELS = {"ascend": "devshim_ascend.kernels", "sophgo": "devshim_sophgo.kernels"}
+
+
+@pytest.fixture(scope="module")
+def plugin() -> ModuleType:
+    """The emulated vendor's plugin kernel module (its FusedKernels and OptimizerKernels answers)."""
+    return importlib.import_module(PLUGIN_KERNELS[VENDOR or ""])
 
 
 def only(vendor_name: str) -> pytest.MarkDecorator:

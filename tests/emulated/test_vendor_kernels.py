@@ -20,12 +20,6 @@ from emulated.conftest import DEVICE_TYPE, VENDOR, only
 
 Tensor = torch.Tensor
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
-PLUGIN = {"ascend": "devshim_ascend.kernels", "sophgo": "devshim_sophgo.kernels"}
-
-
-@pytest.fixture(scope="module")
-def plugin() -> Any:
-    return importlib.import_module(PLUGIN[VENDOR])
 
 
 @pytest.fixture(autouse=True)

@@ -15,14 +15,18 @@ from devshim_core.device import Device
 from devshim_core.errors import ConfigError
 
 _NO_CUDA = "a CUDA extension; devshim blocks it off CUDA so that Megatron takes its torch fallback"
+_NO_SOFTMAX = ("a CUDA extension that devshim provides on the plugin's masked_softmax kernel, and this plugin has "
+               "none: turn masked-softmax fusion off (--no-masked-softmax-fusion) so that Megatron takes its torch "
+               "softmax")
 
 BLOCKED: dict[str, str] = {
     "amp_C": _NO_CUDA,
     "fused_layer_norm_cuda": _NO_CUDA,
     "fused_mix_prec_layer_norm_cuda": _NO_CUDA,
-    "scaled_masked_softmax_cuda": _NO_CUDA + " (the plugin's masked_softmax serves the fusion)",
-    "scaled_upper_triang_masked_softmax_cuda": _NO_CUDA + " (the plugin's masked_softmax serves the fusion)",
-    "scaled_softmax_cuda": _NO_CUDA + " (the plugin's masked_softmax serves the fusion)",
+    # provided on the plugin's masked_softmax (softmax_modules); blocked only where the plugin has no such kernel
+    "scaled_masked_softmax_cuda": _NO_SOFTMAX,
+    "scaled_upper_triang_masked_softmax_cuda": _NO_SOFTMAX,
+    "scaled_softmax_cuda": _NO_SOFTMAX,
     "apex": "apex's fused kernels are CUDA-only; Megatron uses torch norms and optimizers instead",
     "transformer_engine": "TransformerEngine is CUDA-only; Megatron uses its local transformer implementation",
     "flash_attn": "flash-attn is CUDA-only; the plugin's attention serves Megatron instead",
@@ -67,11 +71,15 @@ def _missing(name: str) -> bool:
 
 
 def provided(device: Device) -> dict[str, ModuleType]:
-    """``fused_weight_gradient_mlp_cuda`` on the plugin's ``wgrad_accumulate``, and the batch-invariant stand-in
-    when triton is missing (the real module exists and imports triton)."""
+    """``fused_weight_gradient_mlp_cuda`` on the plugin's ``wgrad_accumulate``, the fused-softmax extensions on its
+    ``masked_softmax``, ``grouped_gemm`` on its ``grouped_gemm``, and the batch-invariant stand-in when triton is
+    missing (the real module exists and imports triton)."""
+    from devshim_core.integrations.megatron import grouped_gemm_module, softmax_modules
     from devshim_core.integrations.megatron.wgrad_module import make_module
 
-    modules = {"fused_weight_gradient_mlp_cuda": make_module(device)}
+    # grouped_gemm: a real one is a CUDA build; the stand-in runs the plugin's grouped_gemm for GroupedMLP
+    modules = {"fused_weight_gradient_mlp_cuda": make_module(device), **softmax_modules.make_modules(device),
+               **grouped_gemm_module.make_modules(device)}
     if _missing("triton"):
         modules[BATCH_INVARIANT] = _batch_invariant_standin()
     return modules

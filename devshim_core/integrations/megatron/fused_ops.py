@@ -9,6 +9,7 @@ Nothing is imported from Megatron until a patch is applied.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from devshim_core import log
+from devshim_core.integrations.megatron import grouped_gemm_module
 from devshim_core.patching import Patch, RebindReferences, SetAttribute, SetAttributes
 
 _log = log.logger("kernels")  # DEVSHIM_LOG_LEVEL=debug: which path each call takes
@@ -29,6 +31,7 @@ TORCH_NORM = "megatron.core.transformer.torch_norm"
 SWIGLU = "megatron.core.fusions.fused_bias_swiglu"
 ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
 FUSED_SOFTMAX = "megatron.core.fusions.fused_softmax"
+GROUPED_GEMM_UTIL = "megatron.core.transformer.moe.grouped_gemm_util"
 
 
 def fused_patches(device: Device) -> list[Patch]:
@@ -50,6 +53,15 @@ def fused_patches(device: Device) -> list[Patch]:
         patches += _replaced_everywhere(
             "fused-swiglu", f"{SWIGLU}:bias_swiglu_impl", _bias_swiglu_impl,
             "bias_activation_fusion with SwiGLU runs the device's swiglu kernel")
+        patches += _replaced_everywhere(
+            "fused-weighted-swiglu", f"{SWIGLU}:weighted_bias_swiglu_impl", _weighted_bias_swiglu_impl,
+            "MoE experts' bias_activation_fusion with SwiGLU (routing probabilities applied per token) runs the "
+            "device's swiglu kernel")
+    if kernels.grouped_gemm is not None:
+        patches.append(SetAttributes(
+            name="fused-grouped-gemm", target=GROUPED_GEMM_UTIL, names=("grouped_gemm", "ops"), make=_grouped_gemm,
+            reason="moe_grouped_gemm's GroupedMLP runs the device's grouped_gemm kernel through devshim's grouped_gemm "
+                   "module (bound here too when Megatron was imported before devshim)"))
     if kernels.rotary is not None:
         patches += _replaced_everywhere(
             "fused-rotary", f"{ROPE_UTILS}:_apply_rotary_pos_emb_bshd", _rotary_bshd,
@@ -210,6 +222,36 @@ def _bias_swiglu_impl(original: Callable[..., Tensor], device: Device) -> Callab
         return kernel(input if bias is None else input + bias)
 
     return bias_swiglu_impl
+
+
+def _weighted_bias_swiglu_impl(original: Callable[..., Tensor], device: Device) -> Callable[..., Tensor]:
+    kernel = cast("Callable[..., Tensor]", device.attention.swiglu)  # not None: patched only then
+
+    def weighted_bias_swiglu_impl(input: Tensor, bias: Tensor | None, weights: Tensor,
+                                  fp8_input_store: bool = False) -> Tensor:
+        if bias is not None or fp8_input_store:  # Megatron refuses a bias here; fp8 storage is its Function's
+            _log.debug("weighted swiglu: Megatron's own (a bias, or fp8 input store)")
+            return original(input, bias, weights, fp8_input_store)
+        # as Megatron's weighted_swiglu: swiglu in the input's dtype, times the per-token weights (often fp32
+        # probabilities, so the product is promoted) and cast back; autograd gives its two gradients
+        shape = input.shape
+        flat = input.reshape(-1, shape[-1])
+        out = (kernel(flat) * weights).to(input.dtype)
+        return out if len(shape) == 2 else out.view(*shape[:-1], -1)
+
+    return weighted_bias_swiglu_impl
+
+
+# -- grouped GEMM -----------------------------------------------------------------------------------------------
+
+
+def _grouped_gemm(originals: dict[str, Any], device: Device) -> dict[str, Any]:
+    # the module devshim provided at import time when there is one (so both names are the same object), else a
+    # new one: a real grouped_gemm is a CUDA build, which cannot run on this device
+    provided = sys.modules.get(grouped_gemm_module.MODULE_NAME)
+    module = provided if provided is not None and grouped_gemm_module.is_standin(provided) else (
+        grouped_gemm_module.make_module(device))
+    return {"grouped_gemm": module, "ops": module.ops}
 
 
 # -- rotary -----------------------------------------------------------------------------------------------------

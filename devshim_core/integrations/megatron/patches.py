@@ -15,7 +15,7 @@ import torch
 
 from devshim_core.device import Device
 from devshim_core.integrations.megatron import extension_modules, pipeline_p2p, rng, unserved_flags
-from devshim_core.integrations.megatron.flavor import MEGATRON_CORE
+from devshim_core.integrations.megatron.flavor import MEGATRON_CORE, ImportedMegatronCore
 from devshim_core.patching import (
     Patch,
     PatchSet,
@@ -28,6 +28,10 @@ from devshim_core.patching import (
 RANDOM = "megatron.core.tensor_parallel.random"
 LAYERS = "megatron.core.tensor_parallel.layers"
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
+# The in-place load of an fp32 parameter's shard without no_grad: in every release through core_v0.19.0; fixed on
+# Megatron-LM's dev branch only (PR #5835, commit ceaa6c5d7e). The range names the releases known to have it.
+STATE_COPY_WITHOUT_NO_GRAD = ImportedMegatronCore(spec=">=0.16,<0.20")
 
 EXTENSION_MODULES = PatchSet(
     name="megatron-extension-modules",
@@ -36,8 +40,9 @@ EXTENSION_MODULES = PatchSet(
     patches=(ProvideModules(
         name="cuda-extension-modules", modules=extension_modules.provided, blocked=extension_modules.BLOCKED,
         fallbacks=extension_modules.fallbacks,
-        reason="fused_weight_gradient_mlp_cuda runs on the plugin's wgrad_accumulate; CUDA builds of apex, "
-               "TransformerEngine, flash-attn and the fused-softmax extensions fail as not installed, so "
+        reason="fused_weight_gradient_mlp_cuda runs on the plugin's wgrad_accumulate, the fused-softmax extensions "
+               "(which Megatron-DeepSpeed imports with no fallback in fp16/bf16) on its masked_softmax, grouped_gemm "
+               "on its grouped_gemm; CUDA builds of apex, TransformerEngine and flash-attn fail as not installed, so "
                "Megatron takes its torch fallbacks; DeepSpeed >= 0.19's missing compression module, which "
                "Megatron-DeepSpeed imports, is a stand-in that refuses compression training"),),
 )
@@ -117,6 +122,18 @@ def _checkpoint_steps(original: Any, device: Device) -> Any:
     return load_state_dict
 
 
+def _state_copy_without_autograd(original: Any, device: Device) -> Any:
+    def _set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: Any) -> Any:
+        # With fp32 model parameters the distributed optimizer's main parameter is a view of the model parameter
+        # (a leaf that requires grad), so the load's copy_ into it raises unless autograd is off. Upstream's fix
+        # (Megatron-LM PR #5835) wraps the same copies in torch.no_grad().
+        with torch.no_grad():
+            return original(self, model_param, tensors)
+
+    _set_main_param_and_optimizer_states.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
+    return _set_main_param_and_optimizer_states
+
+
 def core_patches(device: Device) -> list[Patch]:
     from devshim_core.integrations.megatron.fused_adam import optimizer_patches
     from devshim_core.integrations.megatron.fused_ops import fused_patches
@@ -181,6 +198,15 @@ def core_patches(device: Device) -> list[Patch]:
                             "(torch's Adam increments it once per parameter) and the dp_reshardable load then "
                             "overwrites it with the placeholder step; each parameter gets its own, the checkpoint's. "
                             "Either way a resume silently trains with the wrong bias correction"),
+        SetAttribute(name="distributed-optimizer-load-without-autograd",
+                     target=f"{DISTRIB_OPTIMIZER}:DistributedOptimizer._set_main_param_and_optimizer_states",
+                     make=_state_copy_without_autograd, requires=(STATE_COPY_WITHOUT_NO_GRAD,),
+                     reason="with fp32 parameters (no --bf16/--fp16) every resume through Megatron-LM's "
+                            "load_checkpoint crashed: load_parameter_state_from_dp_reshardable (torch_dist's default "
+                            "sharding) copies into views of the parameters without torch.no_grad ('a view of a leaf "
+                            "Variable that requires grad is being used in an in-place operation'), on any device. "
+                            "Upstream's fix, Megatron-LM PR #5835 (commit ceaa6c5d7e, dev branch; not in a release "
+                            "through core_v0.19.0), runs these copies under no_grad; so does this"),
         SetAttribute(name="pipeline-p2p-tags",
                      target="megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops",
                      make=pipeline_p2p.batched_p2p_ops,

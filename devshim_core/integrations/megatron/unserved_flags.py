@@ -290,7 +290,9 @@ CONFIG_FIELDS: dict[str, Served | Unserved] = {
         "fused RoPE is TransformerEngine's; devshim serves it on the device's rotary kernel, except for "
         "multi-latent attention, whose fused RoPE is Triton kernels written for CUDA GPUs (and except on a plugin "
         "without a rotary kernel)", "apply_rope_fusion=False (--no-rope-fusion)", "--no-rope-fusion"),
-    "use_fused_weighted_squared_relu": _moot("moe_grouped_gemm (only TEGroupedMLP reads it)"),
+    "use_fused_weighted_squared_relu": Served(
+        "only TEGroupedMLP (TransformerEngine's spec) reads it; the local spec's experts compute the same "
+        "activation unfused"),
     "fused_single_qkv_rope": Unserved(_on("fused_single_qkv_rope"), _TE, "fused_single_qkv_rope=False", None),
     **{name: SHAPE for name in (
         "recompute_granularity", "recompute_method", "recompute_num_layers", "distribute_saved_activations",
@@ -328,10 +330,12 @@ CONFIG_FIELDS: dict[str, Served | Unserved] = {
         "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
         "moe_layer_recompute", "moe_apply_probs_on_input", "moe_latent_size")},
     "moe_shared_expert_overlap": OWN,
-    "moe_grouped_gemm": Unserved(
-        _on("moe_grouped_gemm"), "the grouped GEMM kernels are CUDA-only (TransformerEngine or grouped_gemm)",
-        "moe_grouped_gemm=False: SequentialMLP, one GEMM per local expert", "--moe-grouped-gemm"),
-    "moe_use_legacy_grouped_gemm": _moot("moe_grouped_gemm"),
+    "moe_grouped_gemm": Served(
+        "without TransformerEngine the local spec builds the legacy GroupedMLP, whose grouped GEMMs run the "
+        "device's grouped_gemm kernel (devshim_kernels' loop of matmuls for a plugin without one) through devshim's "
+        "grouped_gemm module; Megatron's own asserts (bf16, no linear bias) still apply"),
+    "moe_use_legacy_grouped_gemm": Served(
+        "picks GroupedMLP over TEGroupedMLP; without TransformerEngine the local spec builds GroupedMLP either way"),
     "moe_token_dispatcher_type": Unserved(
         _one_of("moe_token_dispatcher_type", "flex"), _FLEX, _ALLTOALL, "--moe-token-dispatcher-type"),
     "moe_enable_deepep": Unserved(

@@ -3,7 +3,8 @@
 Inputs are drawn on the host, copied to the device, and the device result and the gradients of the named inputs
 are compared with the reference's (``TOL``: fp32 and bf16). Attention runs over the dense layouts ``BNSD``,
 ``BSND``, ``BSH``, ``SBH`` and packed ``TND``, with boolean masks of both polarities, padding, additive masks,
-both causal alignments and grouped-query heads. An op the plugin does not provide is skipped, saying so.
+both causal alignments and grouped-query heads; the MoE grouped GEMM with an empty group. An op the plugin does not
+provide is skipped, saying so.
 """
 
 from __future__ import annotations
@@ -188,6 +189,19 @@ def test_masked_softmax(devshim_device: Any, device_type: str, case: str, dtype:
     out = conform(lambda **t: masked_softmax(**t, **options), lambda **t: dk.masked_softmax(**t, **options), inputs,
                   ("scores",), dtype, device_type)
     assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("trans_b", [False, True], ids=["b", "b_transposed"])
+def test_grouped_gemm(devshim_device: Any, device_type: str, trans_b: bool, dtype: torch.dtype) -> None:
+    grouped_gemm = provided(devshim_device, "attention", "grouped_gemm")
+    sizes = [3, 0, 5, 2]  # an expert that got no tokens among them
+    weight = torch.randn(4, 6, 16, dtype=dtype) if trans_b else torch.randn(4, 16, 6, dtype=dtype)
+    inputs = {"x": torch.randn(sum(sizes), 16, dtype=dtype), "weight": weight}
+    out = conform(lambda **t: grouped_gemm(t["x"], t["weight"], sizes, trans_b=trans_b),
+                  lambda **t: dk.grouped_gemm(t["x"], t["weight"], sizes, trans_b=trans_b), inputs, ("x", "weight"),
+                  dtype, device_type)
+    assert out.shape == (sum(sizes), 6) and out.dtype == dtype
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32_main_grad", "bf16_main_grad"])

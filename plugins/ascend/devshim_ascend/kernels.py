@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import devshim_kernels as dk
 import torch
 import torch_npu
+from devshim_kernels.grouped import group_sizes_list
 
 from devshim_core import FusedKernels, OptimizerKernels, host_defaults
 
@@ -133,6 +134,59 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False) ->
     return torch.cat((turned, x[..., rot:]), dim=-1)
 
 
+# torch_npu.npu_grouped_matmul, as verified against Ascend's torch_npu API reference (hiascend.com, "torch_npu.
+# npu_grouped_matmul", PyTorch 2.1+ builds): npu_grouped_matmul(x: list[Tensor], weight: list[Tensor], *, bias=None,
+# ..., group_list=None, split_item=0, group_type=None/-1, group_list_type=0, ...) -> list[Tensor]; group_type 0
+# splits x's rows (M) by group_list, 2 splits the contraction axis (K); group_list_type 0 takes cumulative ends, 1
+# per-group counts; split_item 2/3 return one tensor. Public MoE code on Ascend (MindSpeed-style GmmFunction) calls
+# it so, with an autograd Function of its own for the backward: dx = gmm(dy, w^T) with group_type 0, and
+# dw = gmm(x^T, dy) with group_type 2, split_item 3, giving [G, K, N]. The dispatcher spelling torch.ops.npu.* is the
+# same operator as torch_npu.npu_grouped_matmul.
+_GMM_MAX_GROUPS = 128  # the vendor's list limit; more groups run devshim_kernels' loop
+
+
+def _npu_gmm(x: Tensor, weight: Tensor, group_list: Tensor, *, group_type: int, split_item: int) -> Tensor:
+    out = torch.ops.npu.npu_grouped_matmul([x], [weight], group_list=group_list, split_item=split_item,
+                                           group_type=group_type, group_list_type=1)
+    return cast("Tensor", out[0])
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """``x`` [T, K] grouped by rows times ``weight`` [G, K, N]; both gradients by the vendor op too."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, group_list: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight, group_list)
+        return _npu_gmm(x, weight, group_list, group_type=0, split_item=2)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, weight, group_list = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _npu_gmm(grad, weight.transpose(1, 2), group_list, group_type=0, split_item=2)
+        if ctx.needs_input_grad[1]:
+            dw = _npu_gmm(x.t(), grad, group_list, group_type=2, split_item=3)
+        return dx, dw, None
+
+
+def grouped_gemm(x: Tensor, weight: Tensor, group_sizes: Tensor | Sequence[int], *, trans_b: bool = False) -> Tensor:
+    """devshim's ``grouped_gemm`` on ``npu_grouped_matmul`` (counts as ``group_list``, an int64 tensor on the NPU);
+    other dtypes, mixed dtypes, shapes other than [T, K] x [G, K, N] and more than 128 groups run
+    ``devshim_kernels.grouped_gemm`` (which also raises devshim's errors for bad arguments)."""
+    if (x.dim() != 2 or weight.dim() != 3 or x.dtype not in _FLOATS or weight.dtype != x.dtype
+            or not 0 < weight.shape[0] <= _GMM_MAX_GROUPS or x.shape[0] == 0):
+        return dk.grouped_gemm(x, weight, group_sizes, trans_b=trans_b)
+    w = weight.transpose(1, 2) if trans_b else weight  # a view: the vendor takes transposed weights as they are
+    if w.shape[1] != x.shape[1]:
+        return dk.grouped_gemm(x, weight, group_sizes, trans_b=trans_b)  # its error names the shapes
+    sizes = group_sizes_list(group_sizes, w.shape[0], x.shape[0])
+    group_list = torch.tensor(sizes, dtype=torch.int64, device=x.device)
+    return cast("Tensor", _GroupedMatmul.apply(x, w, group_list))
+
+
 def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                 exp_avg_sqs: Sequence[Tensor], *, step: int, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, adamw_mode: bool = True, bias_correction: bool = True,
@@ -170,8 +224,9 @@ def attention_kernels() -> FusedKernels:
     # on the NPU as ordinary torch ops
     return FusedKernels(
         attention=attention, rms_norm=rms_norm, swiglu=swiglu, rotary=rotary, masked_softmax=dk.masked_softmax,
-        wgrad_accumulate=dk.wgrad_accumulate,
-        source="torch_npu: npu_fusion_attention, npu_rms_norm, npu_swiglu, npu_rotary_mul; devshim_kernels for "
+        wgrad_accumulate=dk.wgrad_accumulate, grouped_gemm=grouped_gemm,
+        source="torch_npu: npu_fusion_attention, npu_rms_norm, npu_swiglu, npu_rotary_mul, npu_grouped_matmul; "
+               "devshim_kernels for "
                "masked_softmax, wgrad_accumulate, additive masks, masked TND and dtypes/shapes the vendor ops do "
                "not take")
 

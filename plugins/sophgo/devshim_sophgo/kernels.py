@@ -107,9 +107,10 @@ def fused_adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
 def attention_kernels() -> FusedKernels:
     return FusedKernels(
         attention=dk.attention, rms_norm=rms_norm, swiglu=dk.swiglu, rotary=dk.rotary,
-        masked_softmax=dk.masked_softmax, wgrad_accumulate=dk.wgrad_accumulate,
+        masked_softmax=dk.masked_softmax, wgrad_accumulate=dk.wgrad_accumulate, grouped_gemm=dk.grouped_gemm,
         source="torch_tpu: my_ops.rmsnorm_forward/rmsnorm_backward; devshim_kernels: attention, swiglu, rotary, "
-               "masked_softmax, wgrad_accumulate (Sophgo has no standalone op for them)")
+               "masked_softmax, wgrad_accumulate (Sophgo has no standalone op for them), grouped_gemm (its loop of "
+               "matmuls)")
 
 
 def optimizer_kernels() -> OptimizerKernels:

@@ -47,11 +47,12 @@ npu.amp = amp  # torch.npu.amp, as torch_npu's torch.npu module has it
 from torch_npu._ops import (  # noqa: E402
     npu_apply_adam_w,
     npu_fusion_attention,
+    npu_grouped_matmul,
     npu_rms_norm,
     npu_rotary_mul,
     npu_swiglu,
 )
 
-__all__ = ["EMULATED", "amp", "npu", "npu_apply_adam_w", "npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul",
-           "npu_swiglu", "optim"]
+__all__ = ["EMULATED", "amp", "npu", "npu_apply_adam_w", "npu_fusion_attention", "npu_grouped_matmul", "npu_rms_norm",
+           "npu_rotary_mul", "npu_swiglu", "optim"]
 assert torch.npu is npu and _ops is not None

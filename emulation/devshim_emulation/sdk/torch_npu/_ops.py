@@ -446,12 +446,131 @@ _LIB.impl("npu_apply_adam_w", _adam_w_functional, "CompositeExplicitAutograd")
 _LIB.impl("npu_apply_adam_w.out", _adam_w_out, "CompositeExplicitAutograd")
 
 
+# -- npu_grouped_matmul --------------------------------------------------------------------------------------------
+
+# Ascend's torch_npu API reference (PyTorch 2.1+ builds): one operator, group_list a tensor or an int list
+_GMM_ARGS = ("Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? scale=None, Tensor[]? offset=None, "
+             "Tensor[]? antiquant_scale=None, Tensor[]? antiquant_offset=None, Tensor[]? per_token_scale=None, "
+             "{group_list}, Tensor[]? activation_input=None, Tensor[]? activation_quant_scale=None, "
+             "Tensor[]? activation_quant_offset=None, int? split_item=0, int? group_type=-1, int? group_list_type=0, "
+             "int? act_type=0, ScalarType? output_dtype=None")
+_LIB.define(f"npu_grouped_matmul({_GMM_ARGS.format(group_list='Tensor? group_list=None')}) -> Tensor[]")
+_LIB.define(f"npu_grouped_matmul.List({_GMM_ARGS.format(group_list='int[]? group_list=None')}) -> Tensor[]")
+
+
+def _gmm_counts(group_list: Tensor | Sequence[int] | None, group_list_type: int, total: int, axis: str) -> list[int]:
+    """Per-group sizes along ``axis`` from ``group_list``: cumulative ends (type 0) or counts (type 1)."""
+    op = "npu_grouped_matmul"
+    if group_list is None:
+        raise ValueError(f"{op}: splitting a single x along {axis} needs group_list")
+    values = [int(v) for v in (group_list.tolist() if isinstance(group_list, Tensor) else group_list)]
+    if group_list_type == 0:
+        counts = [end - start for start, end in zip([0, *values[:-1]], values, strict=True)]
+    elif group_list_type == 1:
+        counts = values
+    else:
+        raise ValueError(f"{op}: group_list_type must be 0 (cumulative) or 1 (counts), got {group_list_type}")
+    if any(c < 0 for c in counts) or sum(counts) != total:
+        raise ValueError(f"{op}: group_list {values} (group_list_type={group_list_type}) must split the {total} "
+                         f"entries of x's {axis} axis into non-negative groups")
+    return counts
+
+
+def _npu_grouped_matmul(x: Sequence[Tensor], weight: Sequence[Tensor], *, bias: Sequence[Tensor] | None = None,
+                        scale: Sequence[Tensor] | None = None, offset: Sequence[Tensor] | None = None,
+                        antiquant_scale: Sequence[Tensor] | None = None,
+                        antiquant_offset: Sequence[Tensor] | None = None,
+                        per_token_scale: Sequence[Tensor] | None = None,
+                        group_list: Tensor | Sequence[int] | None = None,
+                        activation_input: Sequence[Tensor] | None = None,
+                        activation_quant_scale: Sequence[Tensor] | None = None,
+                        activation_quant_offset: Sequence[Tensor] | None = None, split_item: int | None = 0,
+                        group_type: int | None = -1, group_list_type: int | None = 0, act_type: int | None = 0,
+                        output_dtype: torch.dtype | None = None) -> list[Tensor]:
+    """Grouped matmuls, unquantized: ``group_type`` -1 pairs ``x[i]`` with ``weight[i]``; 0 splits the rows (M) of
+    a single ``x`` by ``group_list`` (or takes one ``x`` per group) against one [G, K, N] weight or G [K, N] ones;
+    2 splits the contraction axis (K) of a single ``x`` [M, K] and ``weight`` [K, N], group g giving
+    ``x[:, k_g] @ weight[k_g]``. ``split_item`` 0/1 return one tensor per group; 2/3 one tensor: the row groups
+    concatenated (-1, 0) or the K groups stacked to [G, M, N] (2). Products summed in fp32, written in x's dtype;
+    ``bias`` (one [N] per group) added. Quantization, activations and ``group_type`` 1 (which the vendor does not
+    take either) are refused. Not differentiable: callers write the backward with this op, as MoE code does."""
+    op = "npu_grouped_matmul"
+    unemulated = {"scale": scale, "offset": offset, "antiquant_scale": antiquant_scale,
+                  "antiquant_offset": antiquant_offset, "per_token_scale": per_token_scale,
+                  "activation_input": activation_input, "activation_quant_scale": activation_quant_scale,
+                  "activation_quant_offset": activation_quant_offset}
+    given = sorted(name for name, value in unemulated.items() if value)
+    if given or act_type or (output_dtype is not None and x and output_dtype != x[0].dtype):
+        asked = ", ".join(given + (["act_type"] if act_type else []) + (["output_dtype"] if output_dtype else []))
+        raise NotImplementedError(f"{op}: quantized or fused-activation grouped matmul ({asked}) is not emulated")
+    if not x or not weight:
+        raise ValueError(f"{op}: x and weight must each hold at least one tensor")
+    tensors = {f"x[{i}]": t for i, t in enumerate(x)} | {f"weight[{i}]": t for i, t in enumerate(weight)}
+    tensors |= {f"bias[{i}]": t for i, t in enumerate(bias or ())}
+    _on_npu(op, **tensors, group_list=group_list if isinstance(group_list, Tensor) else None)
+    dtype = x[0].dtype
+    for name, t in tensors.items():
+        if not name.startswith("bias"):
+            _float_dtype(op, name, t)
+            if t.dtype != dtype:
+                raise TypeError(f"{op}: x and weight must share a dtype, got {dtype} and {t.dtype} ({name})")
+    kind = -1 if group_type is None else group_type
+    split = split_item or 0
+    if split not in (0, 1, 2, 3):
+        raise ValueError(f"{op}: split_item must be 0..3, got {split_item}")
+    gl_type = group_list_type or 0
+
+    def product(a: Tensor, w: Tensor, g: int) -> Tensor:
+        out = a.float() @ w.float()
+        if bias:
+            out = out + bias[g].float()
+        return out.to(dtype)
+
+    if kind == 2:  # the contraction axis split: one x [M, K], one weight [K, N] -> per group [M, N]
+        if len(x) != 1 or len(weight) != 1 or x[0].dim() != 2 or weight[0].dim() != 2:
+            raise ValueError(f"{op}: group_type=2 takes one 2-D x [M, K] and one 2-D weight [K, N]")
+        a, w = x[0], weight[0]
+        if a.shape[1] != w.shape[0]:
+            raise ValueError(f"{op}: x {tuple(a.shape)} and weight {tuple(w.shape)} do not share K")
+        counts = _gmm_counts(group_list, gl_type, a.shape[1], "K")
+        outs = [product(a_g, w_g, g) for g, (a_g, w_g) in
+                enumerate(zip(torch.split(a, counts, dim=1), torch.split(w, counts, dim=0), strict=True))]
+        return [torch.stack(outs)] if split in (2, 3) else outs
+    if kind not in (-1, 0):
+        raise ValueError(f"{op}: group_type must be -1, 0 or 2 (1, the N axis, is not supported), got {group_type}")
+    weights = list(weight[0].unbind(0)) if len(weight) == 1 and weight[0].dim() == 3 else list(weight)
+    if any(w.dim() != 2 for w in weights):
+        raise ValueError(f"{op}: weight must be one 3-D [G, K, N] tensor or 2-D [K, N] tensors")
+    if kind == 0 and len(x) == 1 and group_list is not None:
+        if x[0].dim() != 2:
+            raise ValueError(f"{op}: a single x split by group_list must be 2-D [M, K], got {tuple(x[0].shape)}")
+        inputs = list(torch.split(x[0], _gmm_counts(group_list, gl_type, x[0].shape[0], "M"), dim=0))
+    else:
+        inputs = list(x)
+    if len(inputs) != len(weights):
+        raise ValueError(f"{op}: {len(inputs)} groups of x for {len(weights)} weights")
+    if bias and len(bias) != len(weights):
+        raise ValueError(f"{op}: {len(bias)} biases for {len(weights)} weights")
+    for i, (a, w) in enumerate(zip(inputs, weights, strict=True)):
+        if a.shape[-1] != w.shape[0]:
+            raise ValueError(f"{op}: group {i}: x {tuple(a.shape)} and weight {tuple(w.shape)} do not share K")
+    outs = [product(a, w, g) for g, (a, w) in enumerate(zip(inputs, weights, strict=True))]
+    if split in (2, 3):
+        return [torch.cat([o.reshape(-1, o.shape[-1]) for o in outs])]
+    return outs
+
+
+_LIB.impl("npu_grouped_matmul", _npu_grouped_matmul, "CompositeExplicitAutograd")
+_LIB.impl("npu_grouped_matmul.List", _npu_grouped_matmul, "CompositeExplicitAutograd")
+
+
 # -- the torch_npu.* spellings -------------------------------------------------------------------------------------
 
 npu_fusion_attention = torch.ops.npu.npu_fusion_attention
 npu_rms_norm = torch.ops.npu.npu_rms_norm
 npu_swiglu = torch.ops.npu.npu_swiglu
 npu_rotary_mul = torch.ops.npu.npu_rotary_mul
+npu_grouped_matmul = torch.ops.npu.npu_grouped_matmul
 
 
 def npu_apply_adam_w(beta1_power: float, beta2_power: float, lr: float, weight_decay: float, beta1: float,
@@ -468,5 +587,5 @@ def npu_apply_adam_w(beta1_power: float, beta2_power: float, lr: float, weight_d
     return torch.ops.npu.npu_apply_adam_w.out(*args, var=var, m=m, v=v)
 
 
-__all__ = ["COMPRESSED_MASK_SIZE", "npu_apply_adam_w", "npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul",
-           "npu_swiglu"]
+__all__ = ["COMPRESSED_MASK_SIZE", "npu_apply_adam_w", "npu_fusion_attention", "npu_grouped_matmul", "npu_rms_norm",
+           "npu_rotary_mul", "npu_swiglu"]
