@@ -370,6 +370,12 @@ class ProvideModules(Patch):
 
     def apply(self, device: Device) -> tuple[Undo, str]:
         provided = {n: m for n, m in self.modules(device).items() if n not in sys.modules}
+        for name, module in provided.items():
+            # importlib.util.find_spec of a name in sys.modules returns its __spec__ and raises ValueError when that
+            # is None, as a bare ModuleType's is: a library's probe (transformers makes them) must get a spec
+            if getattr(module, "__spec__", None) is None:
+                module.__spec__ = importlib.machinery.ModuleSpec(
+                    name, None, origin="devshim", is_package=hasattr(module, "__path__"))
         sys.modules.update(provided)
         blocking = _BlockingFinder(dict(self.blocked))
         sys.meta_path.insert(0, blocking)
@@ -394,7 +400,8 @@ class ProvideModules(Patch):
 @dataclass(frozen=True)
 class RebindReferences(Patch):
     """Find module-level names under ``scope`` that *are* (by identity) an old object and point them at its
-    replacement: ``from x import f`` copies and aliases survive a plain attribute patch otherwise.
+    replacement: ``from x import f`` copies and aliases survive a plain attribute patch otherwise. Undo points every
+    name in scope that is the replacement back at the original, those copied by modules imported in between too.
 
     ``pairs(device)`` returns the (old, new) objects; modules are scanned with ``vars()`` (never
     ``getattr``: module ``__getattr__`` hooks have side effects). ``scope`` is a package name, or ``"*"`` for
@@ -432,17 +439,28 @@ class RebindReferences(Patch):
         mapping = {id(old): (old, new) for old, new in self.pairs(device)
                    if old is not new and old is not None and not isinstance(old, (bool, int, float, str, bytes))}
         done: list[tuple[Any, str, Any]] = []
+        back = {id(new): (new, old) for old, new in mapping.values()}
+        homes: set[tuple[str, str]] = set()  # names that held a replacement already: its own module's, a plugin's
         if mapping:
-            for _module_name, namespace in self.namespaces():
+            for module_name, namespace in self.namespaces():
                 for key, value in list(namespace.items()):
                     hit = mapping.get(id(value))
                     if hit is not None and hit[0] is value:
                         namespace[key] = hit[1]
                         done.append((namespace, key, value))
+                    elif id(value) in back and back[id(value)][0] is value:
+                        homes.add((module_name, key))
 
         def undo() -> None:
             for namespace, key, value in reversed(done):
                 namespace[key] = value
+            # a module imported while the patch was applied copied the replacement itself (``from x import f``):
+            # it gets the original back too, or it would keep devshim's function after deactivation
+            for module_name, namespace in self.namespaces():
+                for key, value in list(namespace.items()):
+                    hit = back.get(id(value))
+                    if hit is not None and hit[0] is value and (module_name, key) not in homes:
+                        namespace[key] = hit[1]
 
         return undo, f"{len(done)} references rebound"
 

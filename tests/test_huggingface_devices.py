@@ -82,6 +82,14 @@ def test_accelerate_names_the_cpu_and_still_sets_up_fp16_for_it():
         assert active.integrations["huggingface-accelerate"].startswith("applied")
 
 
+def test_a_cpu_the_user_asked_for_keeps_accelerates_own_set_up():
+    """``cpu=True`` is Accelerate's own CPU path, not CUDA renamed: fp16 is ignored there, as without devshim."""
+    with activated():
+        accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+        assert accelerator.device == CPU
+        assert accelerator.scaler is None and accelerator.native_amp is False
+
+
 def test_from_pretrained_device_map_auto_and_cuda_put_the_model_on_the_cpu(tmp_path):
     """``device_map='auto'`` failed here ("Cannot access accelerator device when none is available": Accelerate
     budgeted the redirect's device 0, the host, and transformers made ``torch.device(0)`` of it); without devshim it

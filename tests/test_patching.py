@@ -476,6 +476,24 @@ def test_rebinding_replaces_from_imports_and_aliases_by_identity_within_the_scop
         sys.modules.pop(submodule.__name__, None)
 
 
+def test_a_module_imported_while_applied_gets_the_original_back_on_revert(make_module, registry):
+    """``from pkg import f`` run while the set is applied copies the replacement; after revert that copy would keep
+    devshim's function in a process that no longer has devshim. Revert points it back at the original."""
+    package = make_module(f=original)
+    scope = package.__name__
+    rebind = RebindReferences(name="rebind", scope=scope, pairs=lambda device: [(original, replacement)], reason="r")
+    registry.apply(patch_set(set_attribute(f"{scope}:f", replace_with(replacement)), rebind), DEVICE)
+    later = types.ModuleType(f"{scope}.imported_later")
+    vars(later).update(f=package.f)  # what `from pkg import f` binds now
+    sys.modules[later.__name__] = later
+    try:
+        assert later.f is replacement
+        registry.revert("test-set")
+        assert (package.f, later.f) == (original, original)
+    finally:
+        sys.modules.pop(later.__name__, None)
+
+
 def test_values_that_are_not_unique_objects_are_never_rebound(make_module, registry):
     module = make_module(none=None, number=1, flag=True, text="cpu")
     declared = patch_set(RebindReferences(name="rebind", scope=module.__name__,
