@@ -154,6 +154,7 @@ def reference_gmm(x: Tensor, w: Tensor, sizes: list[int], trans_b: bool = False)
 
 def test_the_experts_weighted_swiglu_runs_the_devices_swiglu_kernel_and_matches_megatrons() -> None:
     layer = moe_layer(grouped=False)
+    bound = mlp.weighted_bias_swiglu_impl  # Megatron's own, as mlp imported it
     hidden, grad = torch.randn(TOKENS // 2, 2, HIDDEN), torch.randn(TOKENS // 2, 2, HIDDEN)
     own_out, own_dx = run(layer, hidden, grad)
     own_grads = [p.grad.clone() for p in layer.parameters()]
@@ -168,7 +169,7 @@ def test_the_experts_weighted_swiglu_runs_the_devices_swiglu_kernel_and_matches_
     torch.testing.assert_close(dx, own_dx, rtol=RTOL, atol=ATOL)
     for p, own in zip(layer.parameters(), own_grads, strict=True):
         torch.testing.assert_close(p.grad, own, rtol=RTOL, atol=ATOL)
-    assert mlp.weighted_bias_swiglu_impl is MEGATRON_WEIGHTED_SWIGLU  # reverted
+    assert mlp.weighted_bias_swiglu_impl is bound  # reverted
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
