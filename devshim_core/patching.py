@@ -454,6 +454,8 @@ class RebindReferences(Patch):
         def undo() -> None:
             for namespace, key, value in reversed(done):
                 namespace[key] = value
+            if not back:
+                return
             # a module imported while the patch was applied copied the replacement itself (``from x import f``):
             # it gets the original back too, or it would keep devshim's function after deactivation
             for module_name, namespace in self.namespaces():

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from devshim_core.device import Device
+from devshim_core.integrations.cuda_redirect.device_map import DeviceMap
 
 # set while Accelerator.__init__ runs: its mixed-precision set-up then reads the device as CUDA (below)
 _IN_ACCELERATOR_INIT: contextvars.ContextVar[bool] = contextvars.ContextVar("devshim_accelerator_init", default=False)
@@ -36,8 +37,8 @@ def _took_cuda() -> bool:
 
 
 def selected(device: Device, chosen: torch.device) -> torch.device:
-    """Accelerate's ``cuda[:N]`` as the selected device (same index); any other device unchanged."""
-    return device.torch_device(chosen.index) if chosen.type == "cuda" else chosen
+    """Accelerate's ``cuda[:N]`` as the selected device, by the redirect's own rule; any other device unchanged."""
+    return DeviceMap(device)(chosen)
 
 
 def prepare_backend(original: Callable[..., Any], device: Device) -> Callable[..., Any]:
