@@ -175,18 +175,24 @@ def _checked(registry: PluginRegistry, record: PluginRecord, hook: str, expected
     return answer
 
 
-def _with_grouped_gemm(kernels: FusedKernels) -> FusedKernels:
-    """``kernels`` with devshim_kernels' grouped GEMM where the plugin has none: a loop of matmuls runs on any
-    device, and without it MoE's grouped GEMM (``--moe-grouped-gemm``) would have no path at all off CUDA."""
-    if kernels.grouped_gemm is not None:
-        return kernels
+def _with_reference_ops(kernels: FusedKernels) -> FusedKernels:
+    """``kernels`` with devshim_kernels' portable ops where the plugin has none: grouped GEMM (a loop of matmuls;
+    without it MoE's ``--moe-grouped-gemm`` has no path off CUDA) and, for a plugin with attention, attention with
+    its log-sum-exp (ring context parallelism merges blocks by it). Both run on any device."""
     try:
-        from devshim_kernels import grouped_gemm
-    except ImportError:  # devshim-kernels not installed: the op stays None and the flag is Megatron's to refuse
+        from devshim_kernels import attention_with_lse, grouped_gemm
+    except ImportError:  # devshim-kernels not installed: the ops stay None and their users refuse by name
+        return kernels
+    filled: dict[str, Any] = {}
+    if kernels.grouped_gemm is None:
+        filled["grouped_gemm"] = grouped_gemm
+    if kernels.attention_lse is None and kernels.attention is not None:
+        filled["attention_lse"] = attention_with_lse
+    if not filled:
         return kernels
     source = kernels.source if kernels.source in ("", "devshim_kernels") else (
-        f"{kernels.source}; grouped_gemm: devshim_kernels")
-    return dataclasses.replace(kernels, grouped_gemm=grouped_gemm, source=source)
+        f"{kernels.source}; {', '.join(filled)}: devshim_kernels")
+    return dataclasses.replace(kernels, **filled, source=source)
 
 
 def _check_allocator_config(plugin: str, allocator: AllocatorSpec) -> None:
@@ -215,7 +221,7 @@ def build_device(registry: PluginRegistry, selection: Selection) -> Device:
     allocator = _checked(registry, record, "devshim_allocator", AllocatorSpec)
     _check_allocator_config(record.name, allocator)
     optimizer = _checked(registry, record, "devshim_optimizer_kernels", OptimizerKernels, OptimizerKernels())
-    attention = _with_grouped_gemm(_checked(registry, record, "devshim_attention_kernels", FusedKernels,
+    attention = _with_reference_ops(_checked(registry, record, "devshim_attention_kernels", FusedKernels,
                                             FusedKernels()))
     # host file I/O is the same whatever the device: a plugin that does not answer gets devshim's (host_defaults)
     offload_io = _checked(registry, record, "devshim_offload_io", OffloadIO, host_defaults.offload_io())

@@ -199,19 +199,22 @@ def devshim_offload_io(report: DeviceReport) -> OffloadIO | None:
 @hookspec(firstresult=True)
 def devshim_attention_kernels(report: DeviceReport) -> FusedKernels | None:
     """Provide attention and the fused ops that ride with it (rms_norm, swiglu, rotary, masked_softmax,
-    wgrad_accumulate, grouped_gemm), with the conventions :class:`~devshim_core.records.FusedKernels` states at the
-    boundary: a vendor whose mask polarity, default scale or return shape differ converts inside the plugin,
-    never in the caller.
+    wgrad_accumulate, grouped_gemm, attention_lse), with the conventions
+    :class:`~devshim_core.records.FusedKernels` states at the boundary: a vendor whose mask polarity, default scale
+    or return shape differ converts inside the plugin, never in the caller.
 
     Return: an :class:`FusedKernels`; any field may be ``None``. ``devshim info`` reports them, and
     devshim's Megatron integration calls them in place of Megatron's CUDA-only and unfused paths: ``attention``
     in ``DotProductAttention``, ``rms_norm`` in the local spec's norm, ``swiglu`` in the bias-SwiGLU fusion and the
     MoE experts' weighted SwiGLU, ``rotary`` for rotary embeddings (fused and unfused), ``masked_softmax`` in
     ``FusedScaleMaskSoftmax`` and the fused-softmax extension modules, ``wgrad_accumulate`` for
-    ``gradient_accumulation_fusion`` and ``grouped_gemm`` for ``moe_grouped_gemm``'s ``GroupedMLP``. An op that is
-    ``None`` leaves Megatron's own path in place (``gradient_accumulation_fusion`` then fails with an error naming
-    the flag), and so does a call the op cannot serve as Megatron would (e.g. attention with a bias, packed
-    sequences or a sliding window); a ``grouped_gemm`` that is ``None`` is devshim_kernels' loop of matmuls.
+    ``gradient_accumulation_fusion``, ``grouped_gemm`` for ``moe_grouped_gemm``'s ``GroupedMLP``, and, with
+    ``context_parallel_size > 1``, ``attention`` for Ulysses context parallelism and ``attention_lse`` for ring
+    attention. An op that is ``None`` leaves Megatron's own path in place (``gradient_accumulation_fusion`` then
+    fails with an error naming the flag; context parallelism without ``attention`` is refused by name), and so
+    does a call the op cannot serve as Megatron would (e.g. attention with a bias, packed sequences or a sliding
+    window); a ``grouped_gemm`` that is ``None`` is devshim_kernels' loop of matmuls, and so is an
+    ``attention_lse`` that is ``None`` beside an ``attention``: devshim_kernels' ``attention_with_lse``.
     DeepSpeed keeps its own attention and fused ops whatever the answer.
     """
 

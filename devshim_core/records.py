@@ -277,7 +277,7 @@ class OffloadIO:
 @dataclass(frozen=True)
 class FusedKernels:
     """Attention and the fused ops that ride with it (``devshim_attention_kernels``: rms_norm, swiglu, rotary, masked
-    softmax, wgrad accumulation, grouped GEMM), each ``None`` when
+    softmax, wgrad accumulation, grouped GEMM, attention with its log-sum-exp), each ``None`` when
     the plugin has no such op. The signatures are PyTorch's conventions, whatever the vendor's are:
 
     - ``attention(q, k, v, *, layout, num_heads=None, attn_mask=None, mask_true_means_masked=False, causal=False,
@@ -313,6 +313,15 @@ class FusedKernels:
       rows gets a zero weight gradient). The device facade fills a plugin's ``None`` with ``devshim_kernels``'
       loop of matmuls, so it is never ``None`` where ``devshim_kernels`` is installed.
 
+    - ``attention_lse(q, k, v, *, attn_mask=None, mask_true_means_masked=False, causal=False, scale=None,
+      dropout_p=0.0) -> (out, lse)``: attention on [B, N, S, D] tensors (BNSD only; boolean or integer masks; GQA
+      as ``attention``; dropout on the probabilities, not on ``lse``) that also returns ``lse`` [B, N, Sq], fp32
+      (fp64 for fp64 inputs): each query's log-sum-exp of its scaled, unmasked scores (``-inf`` for a query with
+      no key, whose output is zeros). ``causal`` is top-left. Both outputs are differentiable in ``q``,
+      ``k`` and ``v``: ring attention (context parallelism) merges key/value blocks by these statistics. The
+      device facade fills a plugin's ``None`` with ``devshim_kernels.attention_with_lse`` where the plugin has
+      ``attention``.
+
     ``devshim_kernels`` implements every op with these semantics; a vendor plugin may answer some ops with
     its SDK and the rest with ``devshim_kernels``' (op by op), and tests compare a vendor op against it.
     """
@@ -324,6 +333,7 @@ class FusedKernels:
     masked_softmax: Callable[..., Any] | None = None
     wgrad_accumulate: Callable[..., None] | None = None
     grouped_gemm: Callable[..., Any] | None = None
+    attention_lse: Callable[..., Any] | None = None
     source: str = ""
 
 

@@ -8,6 +8,8 @@ plugin's device, with its parallelism intact.
     torchrun --nproc-per-node 2 examples/megatron_gpt.py --pp 2 --vpp 2 --layers 4
     torchrun --nproc-per-node 2 examples/megatron_gpt.py --distributed-optimizer --overlap
     torchrun --nproc-per-node 2 examples/megatron_gpt.py --experts 4 --ep 2
+    torchrun --nproc-per-node 2 examples/megatron_gpt.py --cp 2 --cp-comm-type a2a   # or p2p (ring attention)
+    torchrun --nproc-per-node 4 examples/megatron_gpt.py --cp 4 --cp-comm-type a2a+p2p --hierarchical-cp 2,2
 
 ``--report FILE`` writes the losses and grad norms (rank 0) as JSON. ``--save-initial DIR`` / ``--load DIR``
 write and read the initial weights, and ``--save DIR`` the final model and optimizer state, with
@@ -33,6 +35,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from devshim_core.profiling import StepProfiler
 
@@ -43,6 +46,9 @@ class Options:
     pp: int = 1
     vpp: int | None = None
     ep: int = 1
+    cp: int = 1  # context parallel: each sequence split over this many ranks
+    cp_comm_type: str = "p2p"  # p2p (ring attention), a2a (Ulysses), all_gather, a2a+p2p (with hierarchical_cp)
+    hierarchical_cp: str | None = None  # "A2A,RING" sizes for a2a+p2p
     sequence_parallel: bool = False
     recompute: str = "none"  # none | full | selective
     distributed_optimizer: bool = False
@@ -101,8 +107,13 @@ def init_parallel(o: Options) -> None:
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
-        virtual_pipeline_model_parallel_size=o.vpp, expert_model_parallel_size=o.ep)
+        virtual_pipeline_model_parallel_size=o.vpp, expert_model_parallel_size=o.ep, context_parallel_size=o.cp,
+        hierarchical_context_parallel_sizes=hierarchical_cp(o))
     tensor_parallel.model_parallel_cuda_manual_seed(o.seed)
+
+
+def hierarchical_cp(o: Options) -> list[int] | None:
+    return [int(size) for size in o.hierarchical_cp.split(",")] if o.hierarchical_cp else None
 
 
 def transformer_config(o: Options) -> TransformerConfig:
@@ -116,6 +127,8 @@ def transformer_config(o: Options) -> TransformerConfig:
         num_layers=o.layers, hidden_size=o.hidden, num_attention_heads=o.heads, ffn_hidden_size=4 * o.hidden,
         tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
         virtual_pipeline_model_parallel_size=o.vpp, sequence_parallel=o.sequence_parallel,
+        context_parallel_size=o.cp, cp_comm_type=o.cp_comm_type if o.cp > 1 else None,
+        hierarchical_context_parallel_sizes=hierarchical_cp(o),
         hidden_dropout=0.0, attention_dropout=0.0,  # dropout 0: parallel layouts must agree with one rank
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         bias_activation_fusion=o.fused, masked_softmax_fusion=o.fused, apply_rope_fusion=o.fused,
@@ -182,11 +195,13 @@ def global_batch(o: Options, step: int) -> torch.Tensor:
 
 
 def microbatches(o: Options, step: int) -> list[dict[str, torch.Tensor]]:
-    """This data-parallel rank's share of the global batch, split into micro-batches, on the device."""
+    """This data-parallel rank's share of the global batch, split into micro-batches, on the device; with context
+    parallelism, this rank's chunks of each sequence (Megatron's load-balanced split)."""
     dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     share = global_batch(o, step).chunk(dp)[rank]
     positions = torch.arange(o.seq, device="cuda").unsqueeze(0).expand(o.micro_batch, -1)
-    return [{"tokens": b[:, :-1].cuda(), "labels": b[:, 1:].cuda(), "position_ids": positions}
+    return [get_batch_on_this_cp_rank({"tokens": b[:, :-1].cuda(), "labels": b[:, 1:].cuda(),
+                                       "position_ids": positions})
             for b in share.split(o.micro_batch)]
 
 
@@ -194,9 +209,12 @@ def forward_step(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
     batch = next(data)
     losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
-    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss = output.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}  # the schedule scales `loss` in place
+    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        # Megatron's convention: (sum over this rank's tokens, their number); the schedule divides the sum in place
+        # and the gradient reduction averages over the data- and context-parallel ranks
+        total = output.float().sum()
+        tokens = torch.tensor(output.numel(), device=output.device)
+        return total, tokens, {"lm loss": (total / tokens).detach()}
 
     return losses, loss_func
 
@@ -221,7 +239,7 @@ def global_loss(results: list[dict[str, torch.Tensor]]) -> float:
     last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     local = torch.stack([r["lm loss"] for r in results]).mean() if last_stage and results else torch.zeros(())
     total = local.reshape(1).cuda()
-    dist.all_reduce(total)  # every last-stage rank holds its DP share; TP ranks hold the same value
+    dist.all_reduce(total)  # every last-stage rank holds its DP (and CP) share; TP ranks hold the same value
     last_stage_ranks = dist.get_world_size() // parallel_state.get_pipeline_model_parallel_world_size()
     return total.item() / last_stage_ranks
 

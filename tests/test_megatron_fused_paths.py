@@ -292,3 +292,32 @@ def test_gradient_accumulation_fusion_without_the_devices_kernel_names_the_flag(
     module = make_module(counting_device(BASE, wgrad_accumulate=None))
     with pytest.raises(RuntimeError, match="gradient_accumulation_fusion"):
         module.wgrad_gemm_accum_fp32(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(4, 3))
+
+
+# -- context parallelism ---------------------------------------------------------------------------------------------
+
+
+def test_context_parallel_builds_megatrons_local_attention_keeping_the_config_and_the_comm_type():
+    config = gpt_config(context_parallel_size=2)
+    with pytest.raises(AssertionError, match="Context parallelism is only supported by TEDotProductAttention"):
+        dot_product_attention.DotProductAttention(config, 1, AttnMaskType.causal, "self")  # Megatron's own
+    with fused():
+        ring = dot_product_attention.DotProductAttention(config, 1, AttnMaskType.causal, "self")
+        ulysses = dot_product_attention.DotProductAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type="a2a")
+        unsplit = dot_product_attention.DotProductAttention(gpt_config(), 1, AttnMaskType.causal, "self")
+    assert ring.config is config and config.context_parallel_size == 2  # the real config, untouched
+    assert (ring.devshim_cp_comm_type, ulysses.devshim_cp_comm_type) == ("p2p", "a2a")  # p2p: TE's default
+    assert not hasattr(unsplit, "devshim_cp_comm_type")
+
+
+@pytest.mark.parametrize(("setting", "named"), [({"window_size": (4, 0)}, "a sliding window"),
+                                                ({"softmax_type": "learnable"}, "a softmax offset")])
+def test_context_parallel_refuses_what_its_attention_cannot_take_by_name(setting, named):
+    with fused():
+        config = gpt_config(context_parallel_size=2, **setting)
+        core = dot_product_attention.DotProductAttention(config, 1, AttnMaskType.causal, "self")
+        q, k, v = (torch.randn(SEQ // 2, BATCH, n, config.kv_channels) for n in (4, 2, 2))
+        with pytest.raises(ValueError, match=f"context parallelism .* does not take {named}; use "
+                                             "context_parallel_size=1"):
+            core(q, k, v, None)
+    assert counts() == {}

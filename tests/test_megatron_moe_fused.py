@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from megatron_world import fused_patches_applied, one_rank_megatron
 
 from devshim_core import FusedKernels
-from devshim_core.device import Device, _with_grouped_gemm, build_device
+from devshim_core.device import Device, _with_reference_ops, build_device
 from devshim_core.integrations.megatron import grouped_gemm_module
 from devshim_core.integrations.megatron.unserved_flags import CONFIG_FIELDS, Served
 from devshim_core.plugins import discover
@@ -242,11 +242,11 @@ def test_the_grouped_gemm_names_group_sizes_that_do_not_fit(sizes: list[int], me
 
 
 def test_a_plugin_without_a_grouped_gemm_gets_devshim_kernels_loop() -> None:
-    filled = _with_grouped_gemm(FusedKernels(swiglu=devshim_kernels.swiglu, source="acme: swiglu"))
+    filled = _with_reference_ops(FusedKernels(swiglu=devshim_kernels.swiglu, source="acme: swiglu"))
     assert filled.grouped_gemm is devshim_kernels.grouped_gemm and filled.swiglu is devshim_kernels.swiglu
     assert filled.source == "acme: swiglu; grouped_gemm: devshim_kernels"
     own = FusedKernels(grouped_gemm=reference_gmm, source="acme")
-    assert _with_grouped_gemm(own) is own  # a plugin's own op is kept
+    assert _with_reference_ops(own) is own  # a plugin's own op is kept
     assert BASE.describe()["attention_kernels"]["grouped_gemm"] is True
 
 
@@ -317,6 +317,7 @@ def test_the_grouped_moe_layer_runs_the_devices_grouped_gemm_and_equals_the_ungr
         CALLS.clear()
         out, dx = run(grouped, hidden, grad)
     assert CALLS["grouped_gemm"] == 2  # fc1 and fc2
+    assert CALLS["swiglu"] == 1  # GroupedMLP's activation: one call over every expert's rows
     assert grouped_gemm_util.grouped_gemm is before  # reverted
     torch.testing.assert_close(out, seq_out, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(dx, seq_dx, rtol=RTOL, atol=ATOL)

@@ -3,6 +3,7 @@ same initial weights on the same data, with examples/megatron_gpt.py's own build
 
     torchrun --nproc-per-node 1 megatron_job.py --reference --workdir W   # single-rank losses + initial weights
     torchrun --nproc-per-node 2 megatron_job.py --workdir W               # every parallel layout, then a resume
+    torchrun --nproc-per-node 4 megatron_job.py --workdir W               # the 4-rank layouts (no resume)
 
 Rank 0 writes W/<reference|parallel>.json: {layout: {"losses": [...], "grad_norms": [...]}} and the devices
 every rank used.
@@ -36,6 +37,12 @@ LAYOUTS: dict[str, tuple[example.Options, str]] = {
     "overlap_grad_reduce_param_gather": (dataclasses.replace(DENSE, distributed_optimizer=True, overlap=True),
                                          "dense"),
     "moe_ep2": (dataclasses.replace(MOE, ep=2), "moe"),
+    "cp2_a2a": (dataclasses.replace(DENSE, cp=2, cp_comm_type="a2a"), "dense"),
+    "cp2_p2p": (dataclasses.replace(DENSE, cp=2, cp_comm_type="p2p"), "dense"),
+}
+FOUR_RANK_LAYOUTS: dict[str, tuple[example.Options, str]] = {
+    "cp2_tp2_p2p": (dataclasses.replace(DENSE, cp=2, tp=2, sequence_parallel=True, cp_comm_type="p2p"), "dense"),
+    "cp4_a2a_p2p": (dataclasses.replace(DENSE, cp=4, cp_comm_type="a2a+p2p", hierarchical_cp="2,2"), "dense"),
 }
 
 
@@ -54,17 +61,26 @@ def reference(workdir: Path) -> dict:
 
 def parallel(workdir: Path, only: list[str] | None) -> dict:
     results = {}
-    for name, (options, model) in LAYOUTS.items():
+    four = dist.get_world_size() == 4
+    for name, (options, model) in (FOUR_RANK_LAYOUTS if four else LAYOUTS).items():
         if only and name not in only:
             continue
         run = example.run(dataclasses.replace(options, load=initial(workdir, model)))
         results[name] = {"losses": run["losses"], "grad_norms": run["grad_norms"],
-                         "optimizers": example.optimizer_classes(run["optimizer"])}
+                         "optimizers": example.optimizer_classes(run["optimizer"]),
+                         "context_parallel": context_parallel_attention(run["chunks"])}
         if dist.get_rank() == 0:
             print(f"{name}: {run['losses']}", flush=True)
-    if not only or "resume" in only:
+    if not four and (not only or "resume" in only):
         results.update(resume(workdir))
     return results
+
+
+def context_parallel_attention(chunks: list) -> list[str]:
+    """How the core attention modules communicate under context parallelism (devshim's mark on each), or []."""
+    from devshim_core.integrations.megatron.fused_ops import CP_COMM_TYPE
+
+    return sorted({getattr(m, CP_COMM_TYPE) for chunk in chunks for m in chunk.modules() if hasattr(m, CP_COMM_TYPE)})
 
 
 def resume(workdir: Path) -> dict:
@@ -92,7 +108,7 @@ def main() -> None:
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, example.device_report())
     if dist.get_rank() == 0:
-        name = "reference" if args.reference else "parallel"
+        name = "reference" if args.reference else "parallel" if dist.get_world_size() == 2 else "four"
         (args.workdir / f"{name}.json").write_text(json.dumps({"results": results, "ranks": ranks}))
     dist.barrier()
     example.parallel_state.destroy_model_parallel()

@@ -17,6 +17,8 @@ optimizer                                          the loss falls
 TP 2 + SP + distributed optimizer vs TP 1   2, 1   with dropout 0 and the same (CPU-initialised) weights the
                                                    parallel run computes the single-rank losses and grad
                                                    norms within ``PARALLEL_RTOL``
+CP 2, ``--cp-comm-type a2a`` and ``p2p``,   2, 1   the same, with each sequence split over the 2 ranks (Ulysses
+vs CP 1 on cpu, npu, tpu                           and ring attention in devshim's attention, no TE)
 DP 2 + distributed optimizer, fp32 and      2      saved at iteration 4 and resumed through Megatron-LM's
 bf16 on cpu; npu fp32, tpu bf16 (emulated)         own ``load_checkpoint`` (torch_dist, ``dp_reshardable``):
                                                    iterations 5..8 print the uninterrupted run's losses and
@@ -131,12 +133,33 @@ def test_tp2_sequence_parallel_distributed_optimizer_matches_one_rank(megatron_l
     assert single.stdout.count(ran_on) == 1 and parallel.stdout.count(ran_on) == 2, parallel.tail(20)
     reference = lm_losses(single)
     assert_losses_fell(reference, ITERATIONS, LOSS_DROP, single)
-    assert_close(lm_losses(parallel), reference, PARALLEL_RTOL, "TP2+SP+distopt vs TP1 losses", parallel)
+    assert_same_training(parallel, single, "TP2+SP+distopt vs TP1")
+
+
+def assert_same_training(parallel: Job, single: Job, label: str) -> None:
+    assert_close(lm_losses(parallel), lm_losses(single), PARALLEL_RTOL, f"{label} losses", parallel)
     # grad norms are printed with 3 decimals only: equal to that resolution
     parallel_norms, reference_norms = grad_norms(parallel), grad_norms(single)
     assert len(parallel_norms) == len(reference_norms) == ITERATIONS, f"{parallel_norms} vs {reference_norms}"
     assert all(abs(a - b) <= GRAD_NORM_ATOL for a, b in zip(parallel_norms, reference_norms, strict=True)), (
-        f"TP2+SP+distopt vs TP1 grad norms: {parallel_norms} vs {reference_norms}\n{parallel.tail(80)}")
+        f"{label} grad norms: {parallel_norms} vs {reference_norms}\n{parallel.tail(80)}")
+
+
+@pytest.mark.parametrize("platform", [CPU, ASCEND, SOPHGO], ids=["cpu", "npu", "tpu"])
+def test_context_parallel_2_matches_one_rank_with_ulysses_and_ring_attention(megatron_lm: Path, tmp_path: Path,
+                                                                             platform: Platform) -> None:
+    """--context-parallel-size 2 without TransformerEngine: --cp-comm-type a2a (Ulysses, MindSpeed's
+    ulysses_cp_algo) and p2p (ring attention, megatron_cp_algo), with Megatron-LM's own batch split and its
+    dataloader's attention mask, print the single rank's losses and grad norms."""
+    single = pretrain_gpt(megatron_lm, DETERMINISTIC, tmp_path / "cp1", nproc=1, platform=platform)
+    assert_succeeded(single)
+    assert_losses_fell(lm_losses(single), ITERATIONS, LOSS_DROP, single)
+    for comm_type in ("a2a", "p2p"):
+        parallel = pretrain_gpt(megatron_lm, [*DETERMINISTIC, "--context-parallel-size", "2", "--cp-comm-type",
+                                              comm_type], tmp_path / f"cp2-{comm_type}", nproc=2, platform=platform)
+        assert_succeeded(parallel)
+        assert "data-parallel size: 1, context-parallel size: 2," in parallel.stdout, parallel.tail(40)
+        assert_same_training(parallel, single, f"CP2 ({comm_type}) vs CP1")
 
 
 def test_pytorch_profiler_flags_record_the_chosen_steps_on_the_chosen_ranks(megatron_lm: Path, tmp_path: Path) -> None:

@@ -27,6 +27,9 @@ NORM_RTOL = 1e-4
 FUSED_ADAM = "devshim_core.integrations.megatron.fused_adam.FusedAdam"
 DENSE_LAYOUTS = ("tp2", "tp2_sp", "pp2_vpp2", "recompute_full", "recompute_selective", "distributed_optimizer",
                  "overlap_grad_reduce_param_gather")
+# context parallel layout -> how its attention communicates (Ulysses all-to-all, ring attention, both)
+CONTEXT_PARALLEL = {"cp2_a2a": "a2a", "cp2_p2p": "p2p"}
+FOUR_RANK_CONTEXT_PARALLEL = {"cp2_tp2_p2p": "p2p", "cp4_a2a_p2p": "a2a+p2p"}
 
 
 @pytest.fixture(scope="module", params=ALL, ids=[p.id for p in ALL])
@@ -39,6 +42,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     single = run_job("torchrun", ["--workdir", str(workdir), "--reference"], workdir, env=env, script=JOB, ranks=1,
                      report=False, timeout_s=600)
     reference = _results(single, workdir / "reference.json")
+    reference["workdir"] = str(workdir)  # the initial weights, for the 4-rank run
     parallel = run_job("torchrun", ["--workdir", str(workdir)], workdir, env=env, script=JOB, ranks=2, report=False,
                        timeout_s=900)
     return platform, reference, _results(parallel, workdir / "parallel.json")
@@ -77,7 +81,7 @@ def test_every_run_steps_on_the_plugins_fused_adam(runs: tuple[Platform, dict, d
     _, reference, parallel = runs
     built = {name: run["optimizers"] for results in (reference["results"], parallel["results"])
              for name, run in results.items() if "optimizers" in run}
-    assert set(built) == {"dense", "moe", *DENSE_LAYOUTS, "moe_ep2"}, built
+    assert set(built) == {"dense", "moe", *DENSE_LAYOUTS, "moe_ep2", *CONTEXT_PARALLEL}, built
     assert all(classes == [FUSED_ADAM] for classes in built.values()), built
 
 
@@ -93,6 +97,30 @@ def test_the_single_rank_reference_learns(runs: tuple[Platform, dict, dict]) -> 
 def test_a_parallel_layout_reproduces_the_single_rank_run(runs: tuple[Platform, dict, dict], layout: str) -> None:
     _, reference, parallel = runs
     _check(layout, parallel["results"][layout], reference["results"]["dense"])
+
+
+@pytest.mark.parametrize("layout", CONTEXT_PARALLEL)
+def test_context_parallel_2_reproduces_the_single_rank_run(runs: tuple[Platform, dict, dict], layout: str) -> None:
+    """Each rank holds half of every sequence (Megatron's load-balanced chunks); devshim's attention runs it
+    without TransformerEngine, Ulysses or ring attention, forward and backward (the grad norms)."""
+    _, reference, parallel = runs
+    assert parallel["results"][layout]["context_parallel"] == [CONTEXT_PARALLEL[layout]]
+    _check(layout, parallel["results"][layout], reference["results"]["dense"])
+
+
+def test_context_parallel_with_tensor_parallel_and_the_hybrid_on_4_ranks(runs: tuple[Platform, dict, dict]) -> None:
+    """CP 2 x TP 2 (with sequence parallelism) and CP 4 as Ulysses within pairs and a ring across them
+    (hierarchical_context_parallel_sizes [2, 2], MindSpeed's hybrid_cp_algo) reproduce the single-rank run."""
+    platform, reference, _ = runs
+    workdir = Path(reference["workdir"])
+    env = platform.job_env({key: "4" for key in platform.two_devices_env})
+    job = run_job("torchrun", ["--workdir", str(workdir)], workdir, env=env, script=JOB, ranks=4, report=False,
+                  timeout_s=900)
+    four = _results(job, workdir / "four.json")
+    assert [r["device"] for r in four["ranks"]] == [platform.device_of_rank(rank) for rank in range(4)]
+    for layout, comm_type in FOUR_RANK_CONTEXT_PARALLEL.items():
+        assert four["results"][layout]["context_parallel"] == [comm_type], layout
+        _check(layout, four["results"][layout], reference["results"]["dense"])
 
 
 def test_mixture_of_experts_with_expert_parallel_2_reproduces_the_single_rank_run(

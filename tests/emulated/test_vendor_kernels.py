@@ -93,6 +93,35 @@ def test_npu_fusion_attention_mask_polarity_default_scale_and_tuple() -> None:
 
 
 @only("ascend")
+@pytest.mark.parametrize("layout", ["BNSD", "SBH", "TND"])
+def test_npu_fusion_attention_returns_each_querys_softmax_max_and_sum(layout: str) -> None:
+    """What MindSpeed's ring attention reads: max + log(sum) is the log-sum-exp of the scaled, kept scores; a query
+    with no key has -inf and 0. No gradient flows through them, as on the hardware."""
+    npu = _npu()
+    q, k, v = _qkv(6, 6, hkv=2)
+    masked = torch.zeros(6, 6, dtype=torch.bool).triu_(1)
+    masked[4] = True  # query 4 may attend to nothing
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.3).masked_fill(masked, float("-inf"))
+    want = torch.logsumexp(scores, -1)  # [B, N, S]
+    if layout == "BNSD":
+        args, shape = (q, k, v), (B, HQ, 6, 8)
+    elif layout == "SBH":
+        args, shape = tuple(dk.from_bnsd(t, "SBH") for t in (q, k, v)), (B, HQ, 6, 8)
+    else:  # one sequence per batch element, packed
+        args = tuple(t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))
+        shape, want = (B * 6, HQ, 8), want.transpose(1, 2).flatten(0, 1)
+    kwargs = {"actual_seq_qlen": [6, 12], "actual_seq_kvlen": [6, 12]} if layout == "TND" else {}
+    query = args[0].to(DEVICE_TYPE).requires_grad_()
+    _, softmax_max, softmax_sum = npu.npu_fusion_attention(
+        query, *_to_dev(*args[1:]), HQ, layout, atten_mask=masked.to(DEVICE_TYPE), scale=0.3, **kwargs)[:3]
+    assert softmax_max.shape == softmax_sum.shape == shape and not softmax_max.requires_grad
+    assert torch.equal(softmax_max[..., 0:1].expand(shape), softmax_max)  # each row's statistic, 8 times
+    lse = (softmax_max[..., 0] + torch.log(softmax_sum[..., 0])).cpu()
+    assert torch.allclose(lse.nan_to_num(neginf=-1.0), want.nan_to_num(neginf=-1.0), atol=1e-5)
+    assert torch.all(softmax_sum[..., 0].cpu()[want == float("-inf")] == 0)
+
+
+@only("ascend")
 @pytest.mark.parametrize("sparse_mode", [2, 3])
 def test_npu_fusion_attention_causal_sparse_modes(sparse_mode: int) -> None:
     npu = _npu()

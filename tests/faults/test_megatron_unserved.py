@@ -46,7 +46,8 @@ BASE = "dict(num_layers=2, hidden_size=64, num_attention_heads=4)"
 # fields whose refusal depends on a kernel the plugin provides: served on cpu_reference
 KERNEL_BACKED = {"sequence_parallel": "rms_norm", "layernorm_zero_centered_gamma": "rms_norm",
                  "persist_layer_norm": "rms_norm", "memory_efficient_layer_norm": "rms_norm",
-                 "gradient_accumulation_fusion": "wgrad_accumulate", "apply_rope_fusion": "rotary"}
+                 "gradient_accumulation_fusion": "wgrad_accumulate", "apply_rope_fusion": "rotary",
+                 "context_parallel_size": "attention", "hierarchical_context_parallel_sizes": "attention"}
 # (case, config class, keyword arguments): one refused value per unserved field, True where none is given
 VALUES = {"pipeline_model_parallel_comm_backend": "'ucc'", "context_parallel_size": "2",
           "hierarchical_context_parallel_sizes": "[2, 2]", "cross_entropy_fusion_impl": "'te'",

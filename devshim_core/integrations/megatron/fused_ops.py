@@ -9,15 +9,19 @@ Nothing is imported from Megatron until a patch is applied.
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from devshim_core import log
-from devshim_core.integrations.megatron import grouped_gemm_module
+from devshim_core.integrations.megatron import context_parallel, grouped_gemm_module
 from devshim_core.patching import Patch, RebindReferences, SetAttribute, SetAttributes
 
 _log = log.logger("kernels")  # DEVSHIM_LOG_LEVEL=debug: which path each call takes
@@ -32,6 +36,7 @@ SWIGLU = "megatron.core.fusions.fused_bias_swiglu"
 ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
 FUSED_SOFTMAX = "megatron.core.fusions.fused_softmax"
 GROUPED_GEMM_UTIL = "megatron.core.transformer.moe.grouped_gemm_util"
+EXPERTS = "megatron.core.transformer.moe.experts"
 
 
 def fused_patches(device: Device) -> list[Patch]:
@@ -39,6 +44,16 @@ def fused_patches(device: Device) -> list[Patch]:
     kernels = device.attention
     patches: list[Patch] = []
     if kernels.attention is not None:
+        patches.append(SetAttribute(
+            name="context-parallel-attention", target=f"{DOT_PRODUCT_ATTENTION}:DotProductAttention.__init__",
+            make=_attention_init,
+            reason="context_parallel_size > 1 runs in the local attention (Megatron's asserts it off; on CUDA only "
+                   "TE's attention takes it): Ulysses (cp_comm_type a2a), ring attention (p2p, all_gather) or both "
+                   "(a2a+p2p) around the device's attention kernels (context_parallel.py)"))
+        patches += _replaced_everywhere(
+            "context-parallel-positions", f"{ROPE_UTILS}:get_pos_emb_on_this_cp_rank", _positions_on_cp_rank,
+            "with context parallelism the rotary embedding's rows for this rank are picked with a pinned host index "
+            "(pin_memory=True raises without a CUDA allocator, on the host CPU); the same rows, indexed on the device")
         patches.append(SetAttribute(
             name="fused-attention", target=f"{DOT_PRODUCT_ATTENTION}:DotProductAttention.forward",
             make=_attention_forward,
@@ -57,6 +72,10 @@ def fused_patches(device: Device) -> list[Patch]:
             "fused-weighted-swiglu", f"{SWIGLU}:weighted_bias_swiglu_impl", _weighted_bias_swiglu_impl,
             "MoE experts' bias_activation_fusion with SwiGLU (routing probabilities applied per token) runs the "
             "device's swiglu kernel")
+        patches.append(SetAttribute(
+            name="grouped-experts-swiglu", target=f"{EXPERTS}:GroupedMLP.__init__", make=_grouped_mlp_init,
+            reason="moe_grouped_gemm's GroupedMLP builds its own jit-scripted GLU; with SiLU it runs the device's "
+                   "swiglu kernel instead (the routing probabilities applied as Megatron does)"))
     if kernels.grouped_gemm is not None:
         patches.append(SetAttributes(
             name="fused-grouped-gemm", target=GROUPED_GEMM_UTIL, names=("grouped_gemm", "ops"), make=_grouped_gemm,
@@ -98,6 +117,59 @@ def _replaced_everywhere(name: str, target: str, make: Callable[[Any, Device], A
 # -- attention --------------------------------------------------------------------------------------------------
 
 
+CP_COMM_TYPE = "devshim_cp_comm_type"  # set on a DotProductAttention built with context_parallel_size > 1
+
+
+def _attention_init(original: Callable[..., None], device: Device) -> Callable[..., None]:
+    signature = inspect.signature(original)
+
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        if config.context_parallel_size <= 1:
+            original(self, config, *args, **kwargs)
+            return
+        # Megatron's __init__ asserts context_parallel_size == 1 and reads nothing else of it: build from a copy
+        # that says 1, keep the real config, and remember how this layer communicates
+        comm_type = signature.bind(self, config, *args, **kwargs).arguments.get("cp_comm_type")
+        unsplit = copy.copy(config)
+        unsplit.context_parallel_size = 1
+        original(self, unsplit, *args, **kwargs)
+        self.config = config
+        setattr(self, CP_COMM_TYPE, comm_type or "p2p")  # TE's default, and Megatron-LM's --cp-comm-type
+
+    __init__.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
+    return __init__
+
+
+def _positions_on_cp_rank(original: Callable[..., Tensor], device: Device) -> Callable[..., Tensor]:
+    def get_pos_emb_on_this_cp_rank(pos_emb: Tensor, seq_dim: int, cp_group: Any) -> Tensor:
+        if cp_group is None:
+            return original(pos_emb, seq_dim, cp_group)  # Megatron's own error
+        size, rank = cp_group.size(), cp_group.rank()
+        chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+        index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+        picked = chunks.index_select(seq_dim, index)
+        return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
+
+    return get_pos_emb_on_this_cp_rank
+
+
+def _context_parallel(self: Any, device: Device, scale: float, dropout_p: float,
+                      local: context_parallel.LocalAttention) -> context_parallel.ContextParallelAttention:
+    from megatron.core import parallel_state
+
+    group = getattr(getattr(self, "pg_collection", None), "cp", None) or parallel_state.get_context_parallel_group()
+    comm_type = getattr(self, CP_COMM_TYPE)
+    hierarchical = None
+    if comm_type in context_parallel.HYBRID:
+        hierarchical = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+        if hierarchical is not None and len(hierarchical) != 2:
+            raise ValueError(f"cp_comm_type a2a+p2p takes two levels (hierarchical_context_parallel_sizes "
+                             f"[A2A_SIZE, RING_SIZE]), got {len(hierarchical)}")
+    return context_parallel.ContextParallelAttention(
+        comm_type, group, hierarchical, dist.get_rank(group), dist.get_world_size(group), local,
+        device.attention.attention_lse, scale, dropout_p)
+
+
 def _attention_forward(original: Callable[..., Tensor], device: Device) -> Callable[..., Tensor]:
     from megatron.core import tensor_parallel
     from megatron.core.transformer.enums import AttnMaskType
@@ -110,31 +182,49 @@ def _attention_forward(original: Callable[..., Tensor], device: Device) -> Calla
         # [sq, b, np, hn] query, [sk, b, ng, hn] key/value -> [sq, b, np * hn], as Megatron's forward
         sq, sk = query.shape[0], key.shape[0]
         softmax = self.scale_mask_softmax
+        split = hasattr(self, CP_COMM_TYPE)  # context parallel: this rank holds a part of each sequence
         # Megatron's forward ignores attn_mask_type: its softmax masks by the type it was built with
         causal = self.attn_mask_type == AttnMaskType.causal and not (sq == 1 and attention_mask is None)
-        if (attention_bias is not None or packed_seq_params is not None  # Megatron refuses both here
-                or self.softmax_offset is not None or softmax.window_size is not None
-                or (attention_mask is not None and attention_mask.dtype != torch.bool)
-                or (causal and sq != sk)):
-            _log.debug("attention [sq %d, sk %d]: Megatron's own (a bias, packed sequences, an offset, a window, a "
-                       "float mask or a non-square causal mask)", sq, sk)
+        unfused = [what for what, present in (
+            ("an attention bias", attention_bias is not None), ("packed sequences", packed_seq_params is not None),
+            ("a softmax offset", self.softmax_offset is not None),
+            ("a sliding window", softmax.window_size is not None),
+            ("a float mask", attention_mask is not None and attention_mask.dtype != torch.bool),
+            ("a non-square causal mask", causal and sq != sk)) if present]
+        if unfused:
+            if split:  # Megatron's own forward asserts context parallelism off
+                raise ValueError(f"context parallelism (context_parallel_size={self.config.context_parallel_size}) "
+                                 f"runs in devshim's attention, which does not take {' or '.join(unfused)}; use "
+                                 "context_parallel_size=1 for this model")
+            _log.debug("attention [sq %d, sk %d]: Megatron's own (%s)", sq, sk, ", ".join(unfused))
             return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        _log.debug("attention [sq %d, sk %d]: the %s plugin's kernel, causal=%s", sq, sk, device.plugin, causal)
         # Megatron scales the scores twice: by softmax_scale (already divided by the layer number under
         # apply_query_key_layer_scaling) in the matmul, then by that layer number again in the softmax
         scale = self.softmax_scale * (softmax.scale if softmax.scale is not None else 1.0)
         dropout_p = self.attention_dropout.p if self.training else 0.0
 
-        def attend() -> Tensor:
-            # A causal type with a mask masks their union (Megatron's unfused path reads only the mask, its fused
-            # kernel only the triangle; they agree when the mask is causal). Masked scores are -inf here, not
-            # -10000.0: equal unless every score of a row is below about -9900, and a query with no key left gets
-            # zeros, as Megatron's fused softmax gives it.
-            return kernel(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-                          layout="BNSD", attn_mask=attention_mask, mask_true_means_masked=True, causal=causal,
-                          dropout_p=dropout_p, scale=scale)
+        def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, *,
+                true_means_masked: bool) -> Tensor:
+            # [s, b, n, d] in and out. A causal type with a mask masks their union (Megatron's unfused path reads
+            # only the mask, its fused kernel only the triangle; they agree when the mask is causal). Masked
+            # scores are -inf here, not -10000.0: equal unless every score of a row is below about -9900, and a
+            # query with no key left gets zeros, as Megatron's fused softmax gives it.
+            return kernel(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), layout="BNSD",
+                          attn_mask=mask, mask_true_means_masked=true_means_masked, causal=is_causal,
+                          dropout_p=dropout_p, scale=scale).permute(2, 0, 1, 3)
 
+        if split:
+            _log.debug("attention [sq %d of each sequence]: context parallel (%s) on the %s plugin's kernels", sq,
+                       getattr(self, CP_COMM_TYPE), device.plugin)
+            local = functools.partial(run, true_means_masked=False)  # context_parallel passes masks as keep-masks
+            keep = None if attention_mask is None else ~attention_mask
+            attend = functools.partial(_context_parallel(self, device, scale, dropout_p, local), query, key, value,
+                                       keep, causal)
+        else:
+            _log.debug("attention [sq %d, sk %d]: the %s plugin's kernel, causal=%s", sq, sk, device.plugin, causal)
+            # Megatron's mask polarity (True = masked) is passed as it is: Ascend's too, so nothing is inverted
+            attend = functools.partial(run, query, key, value, attention_mask, causal, true_means_masked=True)
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             # Dropout where Megatron applies it, inside the RNG tracker's fork (distinct per TP rank, replayed by
             # activation recomputation). It drops the same fraction of probabilities and rescales the survivors
@@ -143,8 +233,8 @@ def _attention_forward(original: Callable[..., Tensor], device: Device) -> Calla
                 context = attend()
         else:
             context = attend()
-        # [b, np, sq, hn] -> [sq, b, np * hn]
-        return context.permute(2, 0, 1, 3).reshape(sq, context.shape[0], -1)
+        # [sq, b, np, hn] -> [sq, b, np * hn]
+        return context.reshape(sq, context.shape[1], -1)
 
     return forward
 
@@ -240,6 +330,25 @@ def _weighted_bias_swiglu_impl(original: Callable[..., Tensor], device: Device) 
         return out if len(shape) == 2 else out.view(*shape[:-1], -1)
 
     return weighted_bias_swiglu_impl
+
+
+def _grouped_mlp_init(original: Callable[..., None], device: Device) -> Callable[..., None]:
+    kernel = cast("Callable[..., Tensor]", device.attention.swiglu)  # not None: patched only then
+
+    def __init__(self: Any, num_local_experts: int, config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, num_local_experts, config, *args, **kwargs)
+        if not (config.gated_linear_unit and config.activation_func is F.silu):
+            return  # GeLU's GLU, or no GLU: Megatron's own
+
+        def activation_func_with_probs(x: Tensor, probs: Tensor) -> Tensor:
+            # as Megatron's: the activation in x's dtype, times the (often fp32) probabilities, cast back
+            return (kernel(x) * probs).to(x.dtype)
+
+        self.activation_func = kernel
+        self.activation_func_with_probs = activation_func_with_probs
+
+    __init__.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
+    return __init__
 
 
 # -- grouped GEMM -----------------------------------------------------------------------------------------------

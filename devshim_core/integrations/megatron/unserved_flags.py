@@ -107,8 +107,10 @@ def _moot(feature: str) -> Served:
 # why, shared
 _TE = "it runs only in TransformerEngine, which is CUDA-only"
 _GRAPHS = "CUDA graphs have no equivalent on other devices"
-_CP = ("megatron-core 0.16 runs context parallelism only in TransformerEngine's attention (its local "
-       "DotProductAttention asserts it off)")
+_CP = ("context parallelism runs in devshim's context-parallel attention (Ulysses, ring or both) around the device's "
+       "attention kernel, and the {plugin} plugin provides none (megatron-core's local attention asserts it off)")
+_HYBRID_CP = ("megatron-core's hybrid (dynamic) context parallelism schedules packed THD sequences of varying length "
+              "over TransformerEngine's attention; devshim's context parallelism splits fixed-length sequences")
 _FLEX = "the flex dispatcher runs DeepEP or HybridEP, CUDA-only kernels over NVSHMEM/NVLink"
 _LOCAL_NORM = ("Megatron's local spec then builds torch's norm (WrappedTorchNorm), which asserts it off; devshim's "
                "norm, which serves it, needs the device's rms_norm kernel, and the {plugin} plugin provides none")
@@ -140,15 +142,17 @@ CONFIG_FIELDS: dict[str, Served | Unserved] = {
         _without_kernel("sequence_parallel", "rms_norm"), _LOCAL_NORM,
         "sequence_parallel=False, or a plugin with an rms_norm kernel", "--sequence-parallel"),
     "context_parallel_size": Unserved(
-        _above_one("context_parallel_size"), _CP,
+        lambda c, d: (_get(c, "context_parallel_size") or 1) > 1 and _lacks(d, "attention"), _CP,
         "context_parallel_size=1 (--context-parallel-size 1); tensor/sequence parallelism or recompute for long "
         "sequences", "--context-parallel-size"),
     "hierarchical_context_parallel_sizes": Unserved(
-        _on("hierarchical_context_parallel_sizes"), _CP, "leave it unset (context_parallel_size=1)",
-        "--hierarchical-context-parallel-sizes"),
+        _without_kernel("hierarchical_context_parallel_sizes", "attention"), _CP,
+        "leave it unset (context_parallel_size=1)", "--hierarchical-context-parallel-sizes"),
     "max_seqlen_per_dp_cp_rank": _moot("hybrid_context_parallel"),
     "hybrid_context_parallel": Unserved(
-        _on("hybrid_context_parallel"), _CP, "hybrid_context_parallel=False", "--hybrid-context-parallel"),
+        _on("hybrid_context_parallel"), _HYBRID_CP,
+        "context_parallel_size > 1 with cp_comm_type 'a2a+p2p' (--cp-comm-type a2a+p2p "
+        "--hierarchical-context-parallel-sizes A2A RING), MindSpeed's hybrid_cp_algo", "--hybrid-context-parallel"),
     "expert_model_parallel_size": LAYOUT,
     "expert_tensor_parallel_size": LAYOUT,
     "moe_extended_tp": Served("deprecated; Megatron ignores it"),
@@ -348,7 +352,8 @@ CONFIG_FIELDS: dict[str, Served | Unserved] = {
         "--moe-permute-fusion"),
     "moe_router_fusion": Unserved(
         _on("moe_router_fusion"), _TE, "moe_router_fusion=False: Megatron's PyTorch router", "--moe-router-fusion"),
-    "cp_comm_type": _moot("context_parallel_size > 1"),
+    "cp_comm_type": Served("how devshim's context-parallel attention communicates: 'p2p' and 'all_gather' ring "
+                           "attention, 'a2a' Ulysses, 'a2a+p2p' both (context_parallel.py)"),
     "enable_cuda_graph": Unserved(_on("enable_cuda_graph"), _GRAPHS, _NO_GRAPHS, "--enable-cuda-graph"),
     "external_cuda_graph": Unserved(_on("external_cuda_graph"), _GRAPHS, _NO_GRAPHS, "--external-cuda-graph"),
     "cuda_graph_impl": Unserved(

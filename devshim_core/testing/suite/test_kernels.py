@@ -3,7 +3,8 @@
 Inputs are drawn on the host, copied to the device, and the device result and the gradients of the named inputs
 are compared with the reference's (``TOL``: fp32 and bf16). Attention runs over the dense layouts ``BNSD``,
 ``BSND``, ``BSH``, ``SBH`` and packed ``TND``, with boolean masks of both polarities, padding, additive masks,
-both causal alignments and grouped-query heads; the MoE grouped GEMM with an empty group. An op the plugin does not
+both causal alignments and grouped-query heads; attention with its log-sum-exp (both outputs and their gradients);
+the MoE grouped GEMM with an empty group. An op the plugin does not
 provide is skipped, saying so.
 """
 
@@ -189,6 +190,41 @@ def test_masked_softmax(devshim_device: Any, device_type: str, case: str, dtype:
     out = conform(lambda **t: masked_softmax(**t, **options), lambda **t: dk.masked_softmax(**t, **options), inputs,
                   ("scores",), dtype, device_type)
     assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["none", "causal", "keep_mask", "masked_mask_causal", "gqa_causal", "row_masked"])
+def test_attention_lse(devshim_device: Any, device_type: str, case: str, dtype: torch.dtype) -> None:
+    """Attention with its log-sum-exp (ring context parallelism): both outputs and the gradients through both."""
+    attention_lse = provided(devshim_device, "attention", "attention_lse")
+    hkv = 2 if case == "gqa_causal" else HQ
+    s_q, s_kv = (6, 6) if "causal" in case else (6, 9)
+    inputs: dict[str, Any] = {"q": torch.randn(B, HQ, s_q, D, dtype=dtype),
+                              "k": torch.randn(B, hkv, s_kv, D, dtype=dtype),
+                              "v": torch.randn(B, hkv, s_kv, D, dtype=dtype)}
+    options: dict[str, Any] = {"scale": 0.4, "causal": "causal" in case}
+    keep = torch.rand(B, 1, s_q, s_kv) > 0.4
+    keep[..., 0] = True
+    if case == "keep_mask":
+        inputs["attn_mask"] = keep
+    elif case == "masked_mask_causal":
+        inputs["attn_mask"] = ~keep
+        options["mask_true_means_masked"] = True
+    elif case == "row_masked":  # query 2 may attend to nothing: zeros and -inf, finite gradients
+        keep[:, :, 2] = False
+        inputs["attn_mask"] = keep
+
+    def joined(kernel: Callable[..., Any]) -> Callable[..., Tensor]:
+        def run(**t: Any) -> Tensor:
+            out, lse = kernel(**t, **options)
+            assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (B, HQ, s_q)
+            return torch.cat((out.float(), lse.nan_to_num(neginf=0.0).unsqueeze(-1)), -1)
+        return run
+
+    joined_out = conform(joined(attention_lse), joined(dk.attention_with_lse), inputs, ("q", "k", "v"), dtype,
+                         device_type)
+    if case == "row_masked":
+        assert torch.all(joined_out[:, :, 2] == 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import devshim_kernels as dk
+import devshim_kernels.attention_lse as dk_lse
 import torch
 import torch_npu
 from devshim_kernels.grouped import group_sizes_list
@@ -97,6 +98,33 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, layout: str, num_heads: int | 
         mask = _compressed_causal_mask(q.device)
         kwargs["sparse_mode"] = 2 if causal_alignment == "top_left" else 3
     return torch_npu.npu_fusion_attention(q, k, v, head_num, layout, atten_mask=mask, **kwargs)[0]
+
+
+def attention_lse(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
+                  mask_true_means_masked: bool = False, causal: bool = False, scale: float | None = None,
+                  dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` from one ``npu_fusion_attention`` call in BNSD, as MindSpeed's ring attention reads it:
+    ``lse = softmax_max + log(softmax_sum)`` (the vendor repeats each row's statistic 8 times). The vendor's
+    statistics carry no gradient (its backward takes them as inputs), so ``lse``'s is recomputed from ``q`` and
+    ``k`` (``devshim_kernels.attention_lse.with_lse_gradient``). ``devshim_kernels`` for what the op cannot take.
+    Not verified on Ascend hardware: checked against the emulated op's statistics."""
+    if (q.dim() != 4 or q.dtype not in _FLOATS or not q.dtype == k.dtype == v.dtype
+            or (attn_mask is not None and (attn_mask.is_floating_point() or attn_mask.dim() > 4))
+            or not 0.0 <= dropout_p < 1.0):
+        return dk.attention_with_lse(q, k, v, attn_mask=attn_mask, mask_true_means_masked=mask_true_means_masked,
+                                     causal=causal, scale=scale, dropout_p=dropout_p)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    keep = dk_lse.keep_mask(attn_mask, mask_true_means_masked, causal, q.shape[2], k.shape[2], q.device)
+    kwargs: dict[str, Any] = {"scale": scale, "keep_prob": 1.0 - dropout_p}  # dropout leaves the statistics alone
+    if attn_mask is not None:
+        kwargs["atten_mask"] = _vendor_mask(~cast("Tensor", keep), q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    elif causal:
+        kwargs.update(atten_mask=_compressed_causal_mask(q.device), sparse_mode=2)
+    out, softmax_max, softmax_sum = torch_npu.npu_fusion_attention(q, k, v, q.shape[1], "BNSD", **kwargs)[:3]
+    peak, total = softmax_max[..., 0].detach(), softmax_sum[..., 0].detach()
+    lse = torch.where(total > 0, peak + torch.log(torch.where(total > 0, total, torch.ones_like(total))),
+                      torch.full_like(total, float("-inf")))
+    return out, dk_lse.with_lse_gradient(lse, q, k, keep=keep, scale=scale)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float = 1e-6) -> Tensor:
@@ -224,8 +252,9 @@ def attention_kernels() -> FusedKernels:
     # on the NPU as ordinary torch ops
     return FusedKernels(
         attention=attention, rms_norm=rms_norm, swiglu=swiglu, rotary=rotary, masked_softmax=dk.masked_softmax,
-        wgrad_accumulate=dk.wgrad_accumulate, grouped_gemm=grouped_gemm,
-        source="torch_npu: npu_fusion_attention, npu_rms_norm, npu_swiglu, npu_rotary_mul, npu_grouped_matmul; "
+        wgrad_accumulate=dk.wgrad_accumulate, grouped_gemm=grouped_gemm, attention_lse=attention_lse,
+        source="torch_npu: npu_fusion_attention (its softmax statistics for attention_lse), npu_rms_norm, "
+               "npu_swiglu, npu_rotary_mul, npu_grouped_matmul; "
                "devshim_kernels for "
                "masked_softmax, wgrad_accumulate, additive masks, masked TND and dtypes/shapes the vendor ops do "
                "not take")

@@ -10,10 +10,10 @@ would pass). The differentiable ops are ``CompositeImplicitAutograd`` kernels, s
 arithmetic (``npu_apply_adam_w`` follows the vendor's own formula: it takes beta powers, not a step). Like the
 vendor's, every op refuses tensors that are not on an NPU. Not Huawei's code.
 
-Where the emulation differs from the hardware (documented per op): ``npu_fusion_attention``'s softmax statistics
-are NaN placeholders, its dropout draws from torch's generator (seed/offset are 0), ``sparse_mode`` 4-8 (band,
-prefix, varlen outer-cut) with a mask are refused instead of computed, and ``inner_precise``,
-``gen_mask_parallel`` and ``sync`` (precision and scheduling knobs) are accepted and ignored.
+Where the emulation differs from the hardware (documented per op): ``npu_fusion_attention``'s dropout draws
+from torch's generator (seed/offset are 0), ``sparse_mode`` 4-8 (band, prefix, varlen outer-cut) with a mask are
+refused instead of computed, and ``inner_precise``, ``gen_mask_parallel`` and ``sync`` (precision and scheduling
+knobs) are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -133,8 +133,9 @@ def _npu_fusion_attention(query: Tensor, key: Tensor, value: Tensor, head_num: i
     ``actual_seq_qlen``/``actual_seq_kvlen`` cumulative without the leading 0.
 
     Returns ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``: the output in the
-    query's layout; softmax_max/softmax_sum in the vendor's shapes ([B, N, Sq, 8], TND [T, N, 8], fp32) but filled
-    with NaN (the emulation does not compute them: use only [0]); softmax_out empty (reserved by the vendor too);
+    query's layout; softmax_max/softmax_sum in the vendor's shapes ([B, N, Sq, 8], TND [T, N, 8], fp32): each query's
+    maximum scaled score and sum of exp(score - maximum) over the keys it attends to (-inf and 0 for a query with
+    none), without a gradient, as the vendor's; softmax_out empty (reserved by the vendor too);
     seed = offset = 0 (dropout draws from torch's generator and autograd keeps its mask); numels = B*N*Sq*Skv when
     dropout is on, else 0.
     """
@@ -183,7 +184,7 @@ def _npu_fusion_attention(query: Tensor, key: Tensor, value: Tensor, head_num: i
     if input_layout == "TND":
         if pse is not None:
             raise NotImplementedError(f"{op}: pse with input_layout TND is not emulated")
-        out, numels = _tnd(query, key, value, mask, causal, alignment, dropout_p, scale,
+        out, numels, peak, total = _tnd(query, key, value, mask, causal, alignment, dropout_p, scale,
                            _vendor_lengths("actual_seq_qlen", actual_seq_qlen),
                            _vendor_lengths("actual_seq_kvlen", actual_seq_kvlen))
     else:
@@ -202,14 +203,16 @@ def _npu_fusion_attention(query: Tensor, key: Tensor, value: Tensor, head_num: i
         out = _from_bnsd(_attend(q, k, v, keep, bias, dropout_p, scale), input_layout)
         b, n, s_q, _ = _stat_shapes(query, input_layout, head_num)
         numels = b * n * s_q * key.shape[_SEQ_DIM[input_layout]] if dropout_p else 0
-    stats = torch.full(_stat_shapes(query, input_layout, head_num), float("nan"), dtype=torch.float32,
-                       device=query.device)
-    return out, stats, stats.clone(), query.new_empty(0), 0, 0, numels
+        peak, total = _softmax_stats(q, k, keep, bias, scale)
+    # the vendor's shape: each row's statistic repeated 8 times
+    return (out, peak.unsqueeze(-1).expand(*peak.shape, 8).contiguous(),
+            total.unsqueeze(-1).expand(*total.shape, 8).contiguous(), query.new_empty(0), 0, 0, numels)
 
 
 def _tnd(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool, alignment: str,
-         dropout_p: float, scale: float, len_q: list[int], len_kv: list[int]) -> tuple[Tensor, int]:
-    """Packed varlen attention; a mask (SS over the longest sequences) is cut to each sequence's lengths."""
+         dropout_p: float, scale: float, len_q: list[int], len_kv: list[int]) -> tuple[Tensor, int, Tensor, Tensor]:
+    """Packed varlen attention; a mask (SS over the longest sequences) is cut to each sequence's lengths. Returns
+    the output, numels and the softmax statistics [T, N] (max, sum)."""
     if len(len_q) != len(len_kv):
         raise ValueError(f"npu_fusion_attention: actual_seq_qlen describes {len(len_q)} sequences but "
                          f"actual_seq_kvlen {len(len_kv)}")
@@ -221,10 +224,12 @@ def _tnd(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal:
         raise ValueError(f"npu_fusion_attention: with input_layout TND atten_mask must be SS (maxSq x maxSkv), got "
                          f"shape {tuple(mask.shape)}")
     q, k, v = query[:used_q], key[:used_kv], value[:used_kv]
-    outs = []
+    outs, peaks, totals = [], [], []
     for qs, ks, vs, lq, lk in zip(q.split(len_q), k.split(len_kv), v.split(len_kv), len_q, len_kv, strict=True):
         if not (lq and lk):  # no queries, or queries with no key: zeros, like a fully masked row
             outs.append(qs.new_zeros(lq, qs.shape[1], v.shape[-1]))
+            peaks.append(torch.full((lq, qs.shape[1]), float("-inf"), device=qs.device))
+            totals.append(torch.zeros(lq, qs.shape[1], device=qs.device))
             continue
         keep = None if mask is None else ~mask[:lq, :lk].bool()  # the mask is cut to this sequence's lengths
         if causal:
@@ -234,11 +239,17 @@ def _tnd(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal:
         attended = _attend(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], keep, None,
                            dropout_p, scale)
         outs.append(attended[0].transpose(0, 1))
-    out = torch.cat(outs)
+        peak, total = _softmax_stats(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], keep, None, scale)
+        peaks.append(peak[0].transpose(0, 1))
+        totals.append(total[0].transpose(0, 1))
+    out, peak, total = torch.cat(outs), torch.cat(peaks), torch.cat(totals)
     if used_q < query.shape[0]:  # tokens past the last counted sequence take no part: zeros
-        out = torch.cat((out, out.new_zeros(query.shape[0] - used_q, *out.shape[1:])))
+        rest = query.shape[0] - used_q
+        out = torch.cat((out, out.new_zeros(rest, *out.shape[1:])))
+        peak = torch.cat((peak, peak.new_full((rest, peak.shape[1]), float("-inf"))))
+        total = torch.cat((total, total.new_zeros(rest, total.shape[1])))
     numels = sum(a * b for a, b in zip(len_q, len_kv, strict=True)) * query.shape[1] if dropout_p else 0
-    return out.contiguous(), numels
+    return out.contiguous(), numels, peak, total
 
 
 def _to_bnsd(t: Tensor, layout: str, heads: int) -> Tensor:
@@ -290,6 +301,23 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, bias: Tensor |
         mask = bias if keep is None else torch.where(keep, bias, torch.full((), float("-inf"), dtype=bias.dtype,
                                                                             device=bias.device))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def _softmax_stats(q: Tensor, k: Tensor, keep: Tensor | None, bias: Tensor | None,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """The vendor's softmax statistics of [B, N, Sq, Skv] scores, per query row, fp32: the maximum of the scaled,
+    biased scores over the kept cells, and the sum of exp(score - maximum). A row with no kept cell: -inf and 0."""
+    with torch.no_grad():  # the vendor's statistics carry no gradient
+        if q.shape[1] != k.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        scores = q.float() @ k.float().transpose(-1, -2) * scale
+        if bias is not None:
+            scores = scores + bias.float()
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        peak = scores.amax(-1)
+        shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+        return peak, torch.exp(scores - shift.unsqueeze(-1)).sum(-1)
 
 
 _LIB.impl("npu_fusion_attention", _npu_fusion_attention, "CompositeImplicitAutograd")
