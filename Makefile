@@ -19,8 +19,12 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 OLDEST_DEEPSPEED := 0.16.0
 OLDEST_VENV ?= .venv-deepspeed-$(OLDEST_DEEPSPEED)
 OLDEST_STAMP := $(OLDEST_VENV)/.devshim-installed
+# the oldest megatron-core devshim supports, likewise: CI's second megatron-core (requirements-megatron-oldest.txt)
+OLDEST_MEGATRON := 0.12.1
+MEGATRON_OLDEST_VENV ?= .venv-megatron-core-$(OLDEST_MEGATRON)
+MEGATRON_OLDEST_STAMP := $(MEGATRON_OLDEST_VENV)/.devshim-installed
 
-.PHONY: install demo megatron-demo test test-conformance test-deepspeed-oldest test-wheels lint bench stress chaos docs clean
+.PHONY: install demo megatron-demo test test-conformance test-deepspeed-oldest test-megatron-oldest test-wheels lint bench stress chaos docs clean
 
 install: $(STAMP)
 
@@ -49,6 +53,7 @@ test: $(STAMP)
 	DEVSHIM_EMULATE=sophgo $(PY) -m pytest tests/emulated $(PYTEST_ARGS)
 	$(MAKE) test-conformance
 	$(MAKE) test-deepspeed-oldest
+	$(MAKE) test-megatron-oldest
 	$(MAKE) test-wheels
 
 # devshim's conformance kit (devshim_core.testing) on each of devshim's plugins, as a vendor runs it on its own;
@@ -75,6 +80,20 @@ test-deepspeed-oldest: $(OLDEST_STAMP)
 	$(OLDEST_VENV)/bin/python -m pytest tests/e2e/test_deepspeed_reference.py tests/e2e/test_deepspeed_legacy.py \
 		tests/test_deepspeed_gather_order.py \
 		-k "not npu" $(PYTEST_ARGS)
+
+$(MEGATRON_OLDEST_STAMP): $(BUILD_INPUTS) requirements-megatron-oldest.txt
+	$(PYTHON) -m venv $(MEGATRON_OLDEST_VENV)
+	$(MEGATRON_OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MEGATRON_OLDEST_VENV)/bin/python -m pip install --quiet -r requirements-megatron-oldest.txt
+	$(MEGATRON_OLDEST_VENV)/bin/python -m pip install --quiet --no-deps megatron-core==$(OLDEST_MEGATRON)
+	$(MEGATRON_OLDEST_VENV)/bin/python -m pip install --quiet --no-deps $(DISTRIBUTIONS)
+	touch $(MEGATRON_OLDEST_STAMP)
+
+# megatron-core's end-to-end suite (every parallel layout, context parallelism, resume) and the fused paths again
+# on the oldest supported megatron-core, on the host CPU and the emulated npu (MindSpeed's device)
+test-megatron-oldest: $(MEGATRON_OLDEST_STAMP)
+	$(MEGATRON_OLDEST_VENV)/bin/python -m pytest tests/e2e/test_megatron_training.py tests/test_megatron_fused_paths.py \
+		tests/test_megatron_moe_fused.py -k "not tpu" $(PYTEST_ARGS)
 
 # every distribution built as a release (python -m build: sdist, then the wheel from it) and installed, not
 # editable, into a fresh venv: metadata, devshim info, the DEVSHIM_AUTO .pth, the 2-rank demo, uninstall (~1 min)
@@ -128,4 +147,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) $(DOCS_VENV) build/site .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(MEGATRON_OLDEST_VENV) $(DOCS_VENV) build/site .pytest_cache

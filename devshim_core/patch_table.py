@@ -1,4 +1,5 @@
-"""The table of every patch devshim applies, generated from the registry (``devshim patches --markdown``).
+"""The table of every patch devshim applies, generated from the registry (``devshim patches --markdown``); a patch
+gated to other releases of a framework than the installed one is listed too, with the range it is for.
 
 Activates devshim as a script would, imports each installed framework so that armed patch sets fire, then
 renders ``REGISTRY.report()``: nothing in the table is written by hand.
@@ -23,7 +24,7 @@ def collect() -> list[dict[str, Any]]:  # REGISTRY.report()'s rows
     for name in _FRAMEWORK_MODULES:
         if importlib.util.find_spec(name.partition(".")[0]) is not None:
             importlib.import_module(name)
-    rows = REGISTRY.report()
+    rows = REGISTRY.report() + REGISTRY.gated_report()
     for row in rows:
         row["plugin"] = session.device.plugin
     return rows

@@ -3,8 +3,9 @@
 Patches are grouped in patch sets (:class:`PatchSet`), applied all-or-nothing, idempotently, reversibly,
 and recorded in the process-wide :data:`REGISTRY` that ``devshim info`` lists. A set's ``requires`` and
 each patch's own ``requires`` are checked before anything changes: one unmet requirement refuses the
-whole set. Declaring a patch changes nothing; only :meth:`PatchRegistry.apply` does, and only
-``devshim_core.auto`` calls it.
+whole set, except a patch's *gate* (``Requirement(gate=True)``), which leaves that patch out, reported: a fix
+for a bug only some releases in the set's range have. Declaring a patch changes nothing; only
+:meth:`PatchRegistry.apply` does, and only ``devshim_core.auto`` calls it.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ class Requirement:
     distribution: str
     spec: str
     running: Callable[[], str | None] | None = field(default=None, compare=False, repr=False)
+    # on a patch: outside the range the patch is left out (and reported), instead of refusing its set
+    gate: bool = field(default=False, repr=False)
 
     def installed(self) -> str | None:
         return (self.running and self.running()) or installed_version(self.distribution)
@@ -526,6 +529,7 @@ class PatchRegistry:
         self._lock = threading.RLock()
         self._disabled: dict[str, str] = {}  # "set" or "set:patch" -> why
         self._skipped: dict[str, str] = {}  # what was left out, when a set came to be applied -> why
+        self._gated: list[tuple[PatchSet, Patch]] = []  # patches left out as written for other releases
 
     def disable(self, names: Mapping[str, str]) -> None:
         """Leave out the sets and ``set:patch`` entries named (mapping each to why, e.g. ``DEVSHIM_DISABLE=x``) from
@@ -534,8 +538,8 @@ class PatchRegistry:
             self._disabled = dict(names)
 
     def disabled_report(self) -> list[dict[str, str | None]]:
-        """One row per set or patch left out because it was disabled: ``set``, ``patch`` (``None`` for a whole set)
-        and ``reason``."""
+        """One row per set or patch left out because it was disabled, or (a patch) gated to other versions: ``set``,
+        ``patch`` (``None`` for a whole set) and ``reason``."""
         rows: list[dict[str, str | None]] = []
         for key, why in self._skipped.items():
             set_name, _, patch = key.partition("\0")
@@ -560,7 +564,7 @@ class PatchRegistry:
                 problems.append(f"patch {patch.name!r} declares requires={requires!r:.120}, which is not a tuple "
                                 "of devshim_core.patching.Requirement")
                 continue
-            problems.extend(_unmet(r, patch_set, patch) for r in requires)
+            problems.extend(_unmet(r, patch_set, patch) for r in requires if not r.gate)
         return [p for p in problems if p]
 
     def apply_when_imported(self, patch_set: PatchSet, module: str, device: Device) -> bool:
@@ -586,7 +590,7 @@ class PatchRegistry:
                 self._skipped[patch_set.name] = why
                 logger.debug("patch set %s not applied: %s", patch_set.name, why)
                 return AppliedPatchSet(patch_set, [], {}, disabled=why)
-            patch_set = self._without_disabled_patches(patch_set)
+            patch_set = self._without_gated_patches(self._without_disabled_patches(patch_set))
             problems = self.check(patch_set)
             if problems:
                 raise PatchError(f"cannot apply devshim's {patch_set.name!r} patches: {'; '.join(problems)}.")
@@ -621,6 +625,22 @@ class PatchRegistry:
             return patch_set
         return dataclasses.replace(patch_set, patches=tuple(kept))
 
+    def _without_gated_patches(self, patch_set: PatchSet) -> PatchSet:
+        kept = []
+        for patch in patch_set.patches:
+            requires = patch.requires if isinstance(patch.requires, (tuple, list)) else ()  # check() names the mistake
+            gates = [r for r in requires if isinstance(r, Requirement) and r.gate]
+            why = next((problem for r in gates if (problem := _unmet(r, patch_set, patch))), None)
+            if why is None:
+                kept.append(patch)
+            else:
+                self._skipped[f"{patch_set.name}\0{patch.name}"] = f"not for the installed version: {why}"
+                self._gated.append((patch_set, patch))
+                logger.debug("patch %s:%s not applied: %s", patch_set.name, patch.name, why)
+        if len(kept) == len(patch_set.patches):
+            return patch_set
+        return dataclasses.replace(patch_set, patches=tuple(kept))
+
     def revert(self, name: str) -> bool:
         with self._lock:
             record = self._applied.pop(name, None)
@@ -634,6 +654,7 @@ class PatchRegistry:
         for name in reversed(list(self._applied)):
             self.revert(name)
         self._skipped.clear()
+        self._gated.clear()
 
     def report(self) -> list[dict[str, Any]]:
         """One row per applied patch. ``requires`` is the range each distribution had to be in for this patch:
@@ -651,6 +672,19 @@ class PatchRegistry:
                     "requires": requires,
                     "versions": {name: record.versions.get(name) for name in requires},
                 })
+        return rows
+
+
+    def gated_report(self) -> list[dict[str, Any]]:
+        """One row per patch left out because its gate is for other releases, in :meth:`report`'s shape (``detail``
+        says so, ``versions`` what is installed): the declarations a table of every patch must still list."""
+        rows = []
+        for patch_set, patch in self._gated:
+            requires = _joined_specs((*patch_set.requires, *patch.requires))
+            installed = {r.distribution: r.installed() for r in (*patch_set.requires, *patch.requires)}
+            rows.append({"set": patch_set.name, "name": patch.name, "target": patch.target_description(),
+                         "reason": patch.reason, "detail": "not applied: written for other releases",
+                         "requires": requires, "versions": {name: installed.get(name) for name in requires}})
         return rows
 
 
@@ -678,10 +712,13 @@ def _requirements(patch_set: PatchSet) -> list[Requirement]:
 
 
 def _joined_specs(requirements: Iterable[Requirement]) -> dict[str, str]:
-    """distribution -> its clauses, comma-joined: a comma means "and" in :func:`version_in_range`."""
+    """distribution -> its clauses, comma-joined: a comma means "and" in :func:`version_in_range`. A patch's gate,
+    narrower than its set's range, is shown alone: it is the range the patch is for."""
     specs: dict[str, list[str]] = {}
     for r in requirements:
-        if r.spec not in specs.setdefault(r.distribution, []):
+        if r.gate:
+            specs[r.distribution] = [r.spec]
+        elif r.spec not in specs.setdefault(r.distribution, []):
             specs[r.distribution].append(r.spec)
     return {name: ",".join(clauses) for name, clauses in specs.items()}
 

@@ -19,6 +19,8 @@ write and read the initial weights, and ``--save DIR`` the final model and optim
 import devshim_core.auto  # noqa: F401, I001 - first: detect, select a plugin, patch
 
 import argparse
+import contextlib
+import inspect
 import json
 import os
 from collections.abc import Iterator
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, package_info, parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -143,13 +145,36 @@ def build_model(o: Options, config: TransformerConfig) -> list[GPTModel]:
     chunks = []
     for stage in range(o.vpp or 1):
         vp_stage = stage if o.vpp else None
-        model = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=o.vocab, max_sequence_length=o.seq,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            position_embedding_type="rope", vp_stage=vp_stage)
+        where: dict[str, Any] = {"vp_stage": vp_stage} if VP_STAGE_ARGUMENT else {}
+        with virtual_stage(vp_stage):
+            model = GPTModel(
+                config=config, transformer_layer_spec=spec, vocab_size=o.vocab, max_sequence_length=o.seq,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **where),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **where),
+                position_embedding_type="rope", **where)
         chunks.append(model.cuda())
     return chunks
+
+
+# megatron-core >= 0.13 takes the virtual pipeline stage as an argument; 0.12 reads the one parallel_state holds
+VP_STAGE_ARGUMENT = "vp_stage" in inspect.signature(GPTModel.__init__).parameters
+# megatron-core 0.12 differs from 0.13 on: its schedule multiplies the loss by the context-parallel size and wants
+# the token count of the whole sequence (Megatron-LM's loss_func all-reduces it over the CP group), where later
+# releases take this rank's count; its distributed optimizer has no dp_reshardable checkpoint format
+BEFORE_0_13 = tuple(int(x) for x in package_info.__version__.split(".")[:2]) < (0, 13)
+
+
+@contextlib.contextmanager
+def virtual_stage(stage: int | None) -> Iterator[None]:
+    """Where megatron-core reads the virtual stage from parallel_state (0.12), set it for the block."""
+    if stage is None or VP_STAGE_ARGUMENT:
+        yield
+        return
+    parallel_state.set_virtual_pipeline_model_parallel_rank(stage)
+    try:
+        yield
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
 
 
 def wrap(o: Options, config: TransformerConfig, chunks: list[GPTModel]) -> list[DistributedDataParallel]:
@@ -214,7 +239,10 @@ def forward_step(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
         # and the gradient reduction averages over the data- and context-parallel ranks
         total = output.float().sum()
         tokens = torch.tensor(output.numel(), device=output.device)
-        return total, tokens, {"lm loss": (total / tokens).detach()}
+        report = {"lm loss": (total / tokens).detach()}
+        if BEFORE_0_13 and parallel_state.get_context_parallel_world_size() > 1:
+            dist.all_reduce(tokens, group=parallel_state.get_context_parallel_group())
+        return total, tokens, report
 
     return losses, loss_func
 
@@ -249,11 +277,16 @@ def global_loss(results: list[dict[str, torch.Tensor]]) -> float:
 
 def sharded_state(chunks: list[torch.nn.Module], optimizer: Any = None, loading: bool = False) -> dict[str, Any]:
     modules = [getattr(c, "module", c) for c in chunks]
-    state: dict[str, Any] = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
+    state: dict[str, Any] = {}
+    for i, m in enumerate(modules):
+        with virtual_stage(i if len(modules) > 1 else None):
+            state[f"model{i}"] = m.sharded_state_dict()
     if optimizer is not None:
-        # 'dp_reshardable': the distributed optimizer's non-deprecated format for resuming the same layout
+        # 'dp_reshardable': the distributed optimizer's non-deprecated format for resuming the same layout (>= 0.13;
+        # megatron-core 0.12 has only its default, fully_sharded_model_space)
         state["optimizer"] = optimizer.sharded_state_dict(
-            state, is_loading=loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+            state, is_loading=loading,
+            **({} if BEFORE_0_13 else {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}))
     return state
 
 

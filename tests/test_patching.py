@@ -226,6 +226,30 @@ def test_a_target_that_moved_in_a_new_release_names_the_target_and_the_installed
     assert not registry.is_applied("test-set") and registry.report() == []
 
 
+def test_a_gated_patch_for_other_releases_is_left_out_and_reported_while_its_set_applies(make_module, registry):
+    """A fix for a bug only some releases in the set's range have: gate=True leaves it out elsewhere, named."""
+    module = make_module(f=original, g=original, h=original)
+    other = Requirement("pluggy", f"<{PLUGGY_MAJOR}", gate=True)
+    this = Requirement("pluggy", f">={PLUGGY_MAJOR}", gate=True)
+    declared = patch_set(set_attribute(f"{module.__name__}:f", replace_with(replacement), name="always"),
+                         set_attribute(f"{module.__name__}:g", replace_with(replacement), name="old-bug",
+                                       requires=(other,)),
+                         set_attribute(f"{module.__name__}:h", replace_with(replacement), name="this-bug",
+                                       requires=(this,)))
+    assert registry.check(declared) == []  # a gate is never a reason to refuse the set
+    registry.apply(declared, DEVICE)
+    assert (module.f, module.g, module.h) == (replacement, original, replacement)
+    assert [row["name"] for row in registry.report()] == ["always", "this-bug"]
+    [skipped] = registry.disabled_report()
+    assert skipped["set"] == "test-set" and skipped["patch"] == "old-bug"
+    assert skipped["reason"] == (f"not for the installed version: patch 'old-bug' ({module.__name__}:g) supports "
+                                 f"pluggy <{PLUGGY_MAJOR}, but pluggy {PLUGGY} is installed")
+    ungated = patch_set(set_attribute(f"{module.__name__}:g", replace_with(replacement), name="old-bug",
+                                      requires=(Requirement("pluggy", f"<{PLUGGY_MAJOR}"),)), name="strict-set")
+    with pytest.raises(PatchError, match="supports pluggy"):  # without the gate the set is refused, as before
+        registry.apply(ungated, DEVICE)
+
+
 def test_a_failed_set_can_be_applied_later_once_its_problem_is_gone(make_module, registry):
     module = make_module(f=original)
     declared = patch_set(set_attribute(f"{module.__name__}:Later.attr", replace_with(replacement)))

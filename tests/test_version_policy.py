@@ -44,9 +44,10 @@ def test_the_hf_libraries_ranges_and_tested_versions_are_the_ones_declared_and_i
 def test_the_tested_versions_are_the_ones_ci_installs():
     tested = " ".join(DOC.split("**Tested in CI**", 1)[1].split("\n\n", 1)[0].split())
     oldest = re.search(r"^OLDEST_DEEPSPEED := (\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE).group(1)
+    oldest_megatron = re.search(r"^OLDEST_MEGATRON := (\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE).group(1)
     expected = [f"Python {sys.version_info.major}.{sys.version_info.minor}",
                 f"torch {pinned('requirements-dev.txt', 'torch')}",
                 f"DeepSpeed {pinned('requirements-dev.txt', 'deepspeed')} and {oldest}",
-                f"megatron-core {pinned('requirements-dev.txt', 'megatron-core')}"]
+                f"megatron-core {pinned('requirements-dev.txt', 'megatron-core')} and {oldest_megatron}"]
     for version in expected:
         assert version in tested, f"{version!r} is not named among the tested versions: {tested!r}"

@@ -20,7 +20,8 @@ class ImportedMegatronCore(Requirement):
     distribution: Megatron-LM's checkout on ``PYTHONPATH`` shadows the wheel."""
 
     distribution: str = "megatron-core"
-    spec: str = ">=0.16,<0.17"
+    # tested at 0.12.1 (MindSpeed's current releases pair with it) and 0.16.1 (docs/versions.md)
+    spec: str = ">=0.12.1,<0.17"
 
     def installed(self) -> str | None:
         info = sys.modules.get("megatron.core.package_info")
@@ -33,6 +34,9 @@ class ImportedMegatronCore(Requirement):
 
 
 MEGATRON_CORE = ImportedMegatronCore()
+# gates of patches for one release line's own bugs (the patch is left out, reported, on the others)
+CORE_0_12 = ImportedMegatronCore(spec=">=0.12.1,<0.13", gate=True)
+CORE_0_16 = ImportedMegatronCore(spec=">=0.16,<0.17", gate=True)
 
 
 def is_megatron_deepspeed() -> bool:

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from devshim_core.errors import ConfigError
-from devshim_core.patching import Patch, SetAttributes
+from devshim_core.integrations.megatron.flavor import ImportedMegatronCore
+from devshim_core.patching import Patch, SetAttribute, SetAttributes
 
 if TYPE_CHECKING:
     from devshim_core.device import Device
@@ -34,6 +35,8 @@ _TORCH_ONLY = ("amsgrad", "maximize", "capturable", "differentiable")
 OPTIMIZER = "megatron.core.optimizer"
 # torch >= 2.7: one Adam class serves both modes (AdamW is Adam with decoupled_weight_decay=True), as apex's does
 TORCH_ADAM_DECOUPLES = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters
+# before 0.16 the distributed optimizer accepts only its own module's Adam (torch's AdamW here) by isinstance
+DISTRIBUTED_ADAM_CHECK = ImportedMegatronCore(spec=">=0.12.1,<0.16", gate=True)
 
 
 def optimizer_patches(device: Device) -> list[Patch]:
@@ -47,7 +50,13 @@ def optimizer_patches(device: Device) -> list[Patch]:
         make=lambda originals, d: {"Adam": fused, "USING_PYTORCH_OPTIMIZER": False},
         reason="optimizer='adam' builds the FusedAdam Megatron takes from TE or apex on CUDA, on the device's "
                "fused_adamw kernel, instead of torch's AdamW (a per-parameter loop off CUDA); its state is "
-               "torch's Adam state, so checkpoints and the distributed optimizer are unchanged")]
+               "torch's Adam state, so checkpoints and the distributed optimizer are unchanged"),
+            SetAttribute(
+        name="distributed-optimizer-takes-fused-adam", target=f"{OPTIMIZER}.distrib_optimizer:Adam",
+        make=lambda original, d: (original, _KernelAdam), requires=(DISTRIBUTED_ADAM_CHECK,),
+        reason="megatron-core 0.12's DistributedOptimizer asserts its optimizer is an instance of the Adam its own "
+               "module imported (torch's AdamW without TE or apex); devshim's FusedAdam is accepted too (the name "
+               "is read only by that isinstance check)")]
 
 
 def device_fused_adam(device: Device) -> type[torch.optim.Adam] | None:

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from devshim_core import log
 from devshim_core.integrations.megatron import context_parallel, grouped_gemm_module
-from devshim_core.patching import Patch, RebindReferences, SetAttribute, SetAttributes
+from devshim_core.integrations.megatron.flavor import CORE_0_12
+from devshim_core.patching import Patch, RebindReferences, Requirement, SetAttribute, SetAttributes
 
 _log = log.logger("kernels")  # DEVSHIM_LOG_LEVEL=debug: which path each call takes
 
@@ -54,6 +55,10 @@ def fused_patches(device: Device) -> list[Patch]:
             "context-parallel-positions", f"{ROPE_UTILS}:get_pos_emb_on_this_cp_rank", _positions_on_cp_rank,
             "with context parallelism the rotary embedding's rows for this rank are picked with a pinned host index "
             "(pin_memory=True raises without a CUDA allocator, on the host CPU); the same rows, indexed on the device")
+        patches += _replaced_everywhere(
+            "context-parallel-batch", "megatron.core.utils:get_batch_on_this_cp_rank", _batch_on_cp_rank,
+            "megatron-core 0.12 splits each batch over the context-parallel ranks with a pinned host index (0.16 "
+            "indexes on the device); the same split, indexed on the device", requires=(CORE_0_12,))
         patches.append(SetAttribute(
             name="fused-attention", target=f"{DOT_PRODUCT_ATTENTION}:DotProductAttention.forward",
             make=_attention_forward,
@@ -98,7 +103,8 @@ def fused_patches(device: Device) -> list[Patch]:
     return patches
 
 
-def _replaced_everywhere(name: str, target: str, make: Callable[[Any, Device], Any], reason: str) -> list[Patch]:
+def _replaced_everywhere(name: str, target: str, make: Callable[[Any, Device], Any], reason: str,
+                         requires: tuple[Requirement, ...] = ()) -> list[Patch]:
     """Set ``target`` and rebind the ``from module import f`` copies Megatron's modules hold of it."""
     swap: dict[str, Any] = {}
 
@@ -108,9 +114,9 @@ def _replaced_everywhere(name: str, target: str, make: Callable[[Any, Device], A
         swap["old"], swap["new"] = original, make(original, device)
         return swap["new"]
 
-    return [SetAttribute(name=name, target=target, make=made, reason=reason),
+    return [SetAttribute(name=name, target=target, make=made, reason=reason, requires=requires),
             RebindReferences(name=f"{name}-imported-copies", scope="megatron",
-                             pairs=lambda _device: [(swap["old"], swap["new"])],
+                             pairs=lambda _device: [(swap["old"], swap["new"])], requires=requires,
                              reason=f"modules that imported {target.rpartition(':')[2]} by name call the device's too")]
 
 
@@ -140,17 +146,42 @@ def _attention_init(original: Callable[..., None], device: Device) -> Callable[.
     return __init__
 
 
+def _this_ranks_chunks(t: Tensor, seq_dim: int, size: int, rank: int) -> Tensor:
+    """Megatron's load-balanced split: chunks ``rank`` and ``2 * size - 1 - rank`` of ``2 * size`` along ``seq_dim``,
+    indexed on ``t``'s device (Megatron pins a host index and copies it, which fails without a CUDA allocator)."""
+    chunks = t.view(*t.shape[:seq_dim], 2 * size, -1, *t.shape[seq_dim + 1:])
+    picked = chunks.index_select(seq_dim, torch.tensor([rank, 2 * size - rank - 1], device=t.device))
+    return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
+
+
+def _cp_size_and_rank() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+
+
 def _positions_on_cp_rank(original: Callable[..., Tensor], device: Device) -> Callable[..., Tensor]:
-    def get_pos_emb_on_this_cp_rank(pos_emb: Tensor, seq_dim: int, cp_group: Any) -> Tensor:
-        if cp_group is None:
+    takes_group = "cp_group" in inspect.signature(original).parameters  # 0.16; 0.12 reads parallel_state
+
+    def get_pos_emb_on_this_cp_rank(pos_emb: Tensor, seq_dim: int, cp_group: Any = None) -> Tensor:
+        if takes_group and cp_group is None:
             return original(pos_emb, seq_dim, cp_group)  # Megatron's own error
-        size, rank = cp_group.size(), cp_group.rank()
-        chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
-        index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
-        picked = chunks.index_select(seq_dim, index)
-        return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
+        size, rank = (cp_group.size(), cp_group.rank()) if takes_group else _cp_size_and_rank()
+        return _this_ranks_chunks(pos_emb, seq_dim, size, rank)
 
     return get_pos_emb_on_this_cp_rank
+
+
+def _batch_on_cp_rank(original: Callable[..., Any], device: Device) -> Callable[..., Any]:
+    def get_batch_on_this_cp_rank(batch: dict[str, Any]) -> dict[str, Any]:
+        size, rank = _cp_size_and_rank()
+        if size > 1:
+            for key, val in batch.items():
+                if val is not None:
+                    batch[key] = _this_ranks_chunks(val, 2 if key == "attention_mask" else 1, size, rank)
+        return batch
+
+    return get_batch_on_this_cp_rank
 
 
 def _context_parallel(self: Any, device: Device, scale: float, dropout_p: float,
@@ -187,8 +218,9 @@ def _attention_forward(original: Callable[..., Tensor], device: Device) -> Calla
         causal = self.attn_mask_type == AttnMaskType.causal and not (sq == 1 and attention_mask is None)
         unfused = [what for what, present in (
             ("an attention bias", attention_bias is not None), ("packed sequences", packed_seq_params is not None),
-            ("a softmax offset", self.softmax_offset is not None),
-            ("a sliding window", softmax.window_size is not None),
+            # (megatron-core < 0.15 has neither attribute: no offset, no window)
+            ("a softmax offset", getattr(self, "softmax_offset", None) is not None),
+            ("a sliding window", getattr(softmax, "window_size", None) is not None),
             ("a float mask", attention_mask is not None and attention_mask.dtype != torch.bool),
             ("a non-square causal mask", causal and sq != sk)) if present]
         if unfused:
@@ -436,7 +468,8 @@ def _softmax_methods(originals: dict[str, Any], device: Device) -> dict[str, Any
     def is_kernel_available(self: Any, mask: Tensor | None, b: int, np: int, sq: int, sk: int) -> bool:
         # the CUDA kernels' shape limits (sk <= 4096, multiples of 4) do not apply; sliding windows do not fuse
         causal = self.attn_mask_type == AttnMaskType.causal
-        return bool(self.scaled_masked_softmax_fusion and self.input_in_float16 and self.window_size is None
+        return bool(self.scaled_masked_softmax_fusion and self.input_in_float16
+                    and getattr(self, "window_size", None) is None
                     and (mask is None or not mask.is_floating_point()) and (not causal or sq == sk))
 
     def forward_fused_softmax(self: Any, input: Tensor, mask: Tensor | None) -> Tensor:

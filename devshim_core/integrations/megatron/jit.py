@@ -25,8 +25,13 @@ def compiles_for(device_type: str) -> bool:
     return device_type in _INDUCTOR_DEVICES
 
 
+def _noop_decorator(func: Any) -> Any:
+    return func
+
+
 def _eager_fuser(original: Any, device: Device) -> Any:
-    return sys.modules[JIT].noop_decorator
+    # Megatron's own no-op decorator where it has one (0.16); 0.12's jit module has none
+    return getattr(sys.modules[JIT], "noop_decorator", _noop_decorator)
 
 
 def _compiled_functions(device: Device) -> list[tuple[Any, Any]]:

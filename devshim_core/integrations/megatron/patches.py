@@ -8,6 +8,7 @@ megatron-core patches: ``flavor`` tells them apart.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 
 from devshim_core.device import Device
 from devshim_core.integrations.megatron import extension_modules, pipeline_p2p, rng, unserved_flags
-from devshim_core.integrations.megatron.flavor import MEGATRON_CORE, ImportedMegatronCore
+from devshim_core.integrations.megatron.flavor import CORE_0_12, CORE_0_16, MEGATRON_CORE, ImportedMegatronCore
 from devshim_core.patching import (
     Patch,
     PatchSet,
@@ -29,9 +30,13 @@ RANDOM = "megatron.core.tensor_parallel.random"
 LAYERS = "megatron.core.tensor_parallel.layers"
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
-# The in-place load of an fp32 parameter's shard without no_grad: in every release through core_v0.19.0; fixed on
-# Megatron-LM's dev branch only (PR #5835, commit ceaa6c5d7e). The range names the releases known to have it.
-STATE_COPY_WITHOUT_NO_GRAD = ImportedMegatronCore(spec=">=0.16,<0.20")
+# The in-place load of an fp32 parameter's shard without no_grad: in every release from core_r0.12.1 through
+# core_v0.19.0; fixed on Megatron-LM's dev branch only (PR #5835, commit ceaa6c5d7e). The range names the releases
+# known to have it.
+STATE_COPY_WITHOUT_NO_GRAD = ImportedMegatronCore(spec=">=0.12.1,<0.20", gate=True)
+# CORE_0_16: megatron-core 0.16's own bugs, absent from 0.12 (whose code around them differs). CORE_0_12:
+# core_r0.12's, fixed in core_r0.13.0: its async checkpoint writer calls torch's _write_item without the
+# serialization_format argument torch >= 2.7 requires; its distributed optimizer needs TE to quantize no fp8 params
 
 EXTENSION_MODULES = PatchSet(
     name="megatron-extension-modules",
@@ -96,11 +101,51 @@ def _load_ready_sharded_state_dict(original: Any, device: Device) -> Any:
     def sharded_state_dict(self: Any, model_sharded_state_dict: Any, is_loading: bool = False, *args: Any,
                            **kwargs: Any) -> Any:
         if is_loading and not distrib.HAVE_APEX_OR_TE and not self.optimizer.state:
-            self._init_optimizer_states_with_dummy_values()  # replaced in place by the load
+            _dummy_optimizer_states(self)  # replaced in place by the load
         return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
 
     sharded_state_dict.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return sharded_state_dict
+
+
+def _dummy_optimizer_states(optimizer: Any) -> None:
+    """Adam states for every parameter, from one step with zero gradients: Megatron >= 0.15's
+    ``_init_optimizer_states_with_dummy_values``, written out where it does not exist (0.12)."""
+    own = getattr(optimizer, "_init_optimizer_states_with_dummy_values", None)
+    if own is not None:
+        own()
+        return
+    for group in optimizer.optimizer.param_groups:
+        for param in group["params"]:
+            if param.numel():
+                param.grad = torch.zeros_like(param)
+    optimizer.optimizer.step()
+    optimizer.optimizer.zero_grad()
+
+
+def _write_item_with_format(original: Any, device: Device) -> Any:
+    from torch.distributed.checkpoint import filesystem
+
+    takes_format = "serialization_format" in inspect.signature(original).parameters
+    torch_save = getattr(getattr(filesystem, "SerializationFormat", None), "TORCH_SAVE", None)
+
+    def _write_item(*args: Any, **kwargs: Any) -> Any:
+        if takes_format and torch_save is not None and "serialization_format" not in kwargs and len(args) == 5:
+            kwargs["serialization_format"] = torch_save  # what core_r0.13's writer passes, and torch's default writer
+        return original(*args, **kwargs)
+
+    _write_item.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
+    return _write_item
+
+
+def _quantize_without_fp8_params(original: Any, device: Device) -> Any:
+    def _quantize_param_shard_impl(model_params: Any, *args: Any, **kwargs: Any) -> Any:
+        if not model_params:
+            return None  # no fp8 parameter: nothing to quantize (what later releases do)
+        return original(model_params, *args, **kwargs)  # TE's error: fp8 needs TransformerEngine
+
+    _quantize_param_shard_impl.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
+    return _quantize_param_shard_impl
 
 
 def _checkpoint_steps(original: Any, device: Device) -> Any:
@@ -122,13 +167,27 @@ def _checkpoint_steps(original: Any, device: Device) -> Any:
     return load_state_dict
 
 
+def _with_current_step(optimizer: Any, model_param: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` plus the parameter's own Adam ``step`` where they lack one. Megatron copies every state torch's
+    Adam holds, ``step`` included, but megatron-core 0.12's ``fully_sharded_model_space`` load leaves the step out
+    (KeyError: 'step'; the checkpoint's step is its param group's, which ``distributed-optimizer-step-per-param``
+    restores). Copying the step onto itself changes nothing."""
+    index = getattr(optimizer, "model_param_group_index_map", {}).get(model_param)
+    if "step" in tensors or index is None:
+        return tensors
+    group_index, group_order = index
+    main_param = optimizer.optimizer.param_groups[group_index]["params"][group_order]
+    step = optimizer.optimizer.state.get(main_param, {}).get("step")
+    return tensors if step is None else {**tensors, "step": step}
+
+
 def _state_copy_without_autograd(original: Any, device: Device) -> Any:
     def _set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: Any) -> Any:
         # With fp32 model parameters the distributed optimizer's main parameter is a view of the model parameter
         # (a leaf that requires grad), so the load's copy_ into it raises unless autograd is off. Upstream's fix
         # (Megatron-LM PR #5835) wraps the same copies in torch.no_grad().
         with torch.no_grad():
-            return original(self, model_param, tensors)
+            return original(self, model_param, _with_current_step(self, model_param, tensors))
 
     _set_main_param_and_optimizer_states.__devshim_original__ = original  # type: ignore[attr-defined]  # devshim's mark, read by patching
     return _set_main_param_and_optimizer_states
@@ -156,7 +215,7 @@ def core_patches(device: Device) -> list[Patch]:
                          pairs=replaced_functions(f"{RANDOM}:_get_cuda_rng_state", f"{RANDOM}:_set_cuda_rng_state"),
                          reason="modules that imported the two RNG helpers by name"),
         SetAttribute(name="checkpoint-without-output-fp8",
-                     target=f"{RANDOM}:CheckpointWithoutOutput.__init__", make=_checkpoint_init,
+                     target=f"{RANDOM}:CheckpointWithoutOutput.__init__", make=_checkpoint_init, requires=(CORE_0_16,),
                      reason="megatron-core 0.16.1 turns fp8=False into fp8=True and then needs TransformerEngine "
                             "(NameError: FP8GlobalStateManager) in selective recompute"),
         SetAttribute(name="grad-accum-fusion-module", target=f"{LAYERS}:fused_weight_gradient_mlp_cuda",
@@ -174,7 +233,7 @@ def core_patches(device: Device) -> list[Patch]:
         RebindReferences(name="te-version-check-references", scope="megatron",
                          pairs=replaced_functions("megatron.core.utils:is_te_min_version"),
                          reason="most of megatron imports is_te_min_version by name"),
-        SetAttribute(name="moe-router-gemm", target=f"{MOE_UTILS}:te_general_gemm",
+        SetAttribute(name="moe-router-gemm", target=f"{MOE_UTILS}:te_general_gemm", requires=(CORE_0_16,),
                      make=lambda original, d: original,  # None when TE is absent: the router's torch path
                      reason="megatron-core 0.16.1 defines te_general_gemm only when TE imports; the MoE router then "
                             "raises NameError instead of taking its torch.mm path", creates=True),
@@ -206,7 +265,22 @@ def core_patches(device: Device) -> list[Patch]:
                             "sharding) copies into views of the parameters without torch.no_grad ('a view of a leaf "
                             "Variable that requires grad is being used in an in-place operation'), on any device. "
                             "Upstream's fix, Megatron-LM PR #5835 (commit ceaa6c5d7e, dev branch; not in a release "
-                            "through core_v0.19.0), runs these copies under no_grad; so does this"),
+                            "through core_v0.19.0), runs these copies under no_grad; so does this. On 0.12 the "
+                            "fully_sharded_model_space load also failed (KeyError: 'step'): each parameter keeps its "
+                            "step, then takes the checkpoint's"),
+        SetAttribute(name="async-checkpoint-write-format",
+                     target="megatron.core.dist_checkpointing.strategies.filesystem_async:_write_item",
+                     make=_write_item_with_format, requires=(CORE_0_12,),
+                     reason="megatron-core 0.12's torch_dist writer calls torch's _write_item without the "
+                            "serialization_format argument torch >= 2.7 requires: every dist_checkpointing save "
+                            "failed with TypeError (on CUDA too). megatron-core 0.13 passes TORCH_SAVE; so does this"),
+        SetAttribute(name="distributed-optimizer-without-fp8-params",
+                     target="megatron.core.fp8_utils:_quantize_param_shard_impl",
+                     make=_quantize_without_fp8_params, requires=(CORE_0_12,),
+                     reason="megatron-core 0.12's distributed optimizer quantizes its fp8 parameters after every "
+                            "step, and without TransformerEngine the quantizer raises even when there are none: "
+                            "--use-distributed-optimizer failed at its first step off CUDA (and on CUDA without "
+                            "TE). With no fp8 parameter there is nothing to do"),
         SetAttribute(name="pipeline-p2p-tags",
                      target="megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops",
                      make=pipeline_p2p.batched_p2p_ops,

@@ -2,12 +2,13 @@
 is built.
 
 ``CONFIG_FIELDS`` holds one entry per dataclass field of megatron-core 0.16's ``ModelParallelConfig``,
-``TransformerConfig`` and ``MLATransformerConfig`` (a test walks the installed classes, so a new megatron-core
-field forces a decision). An :class:`Unserved` entry says which values cannot run off CUDA, why, the Megatron-LM
-flag that sets it and what to use instead; a :class:`Served` one why any value works. The check runs in
-``TransformerConfig.__post_init__``, before Megatron's own validation, so a job fails at its config instead of
-failing deep inside Megatron at build time, or (``attention_backend=flash``, ``delay_wgrad_compute``,
-``quant_recipe``) silently running something other than what was asked for.
+``TransformerConfig`` and ``MLATransformerConfig``, and of 0.12's where it differs (a test walks the installed
+classes, so a new megatron-core field forces a decision; a field one release lacks is never read there). An
+:class:`Unserved` entry says which values cannot run off CUDA, why, the Megatron-LM flag that sets it and what to
+use instead; a :class:`Served` one why any value works. The check runs in ``TransformerConfig.__post_init__``,
+before Megatron's own validation, so a job fails at its config instead of failing deep inside Megatron at build
+time, or (``attention_backend=flash``, ``delay_wgrad_compute``, ``quant_recipe``) silently running something other
+than what was asked for.
 
 "Served" means no CUDA-only dependency was found in megatron-core 0.16.1's code for the field: Megatron's own
 PyTorch runs, with ``torch.cuda`` calls answered by the CUDA redirect and the fused paths on the plugin's kernels.
@@ -131,6 +132,7 @@ OWN = Served("Megatron's own PyTorch; its torch.cuda calls (streams, events, aut
 CONFIG_FIELDS: dict[str, Served | Unserved] = {
     # -- ModelParallelConfig ------------------------------------------------------------------------------------
     "tensor_model_parallel_size": LAYOUT,
+    "pipeline_model_parallel_split_rank": LAYOUT,  # megatron-core 0.12 (encoder-decoder split); later removed
     "pipeline_model_parallel_comm_backend": Unserved(
         _one_of("pipeline_model_parallel_comm_backend", "ucc"),
         "torch's UCC backend is not built for the device; devshim maps only nccl to the plugin's backend",
@@ -399,6 +401,7 @@ CONFIG_FIELDS: dict[str, Served | Unserved] = {
     "offload_modules": OWN,
     "min_offloaded_tensor_size": OWN,
     # -- MLATransformerConfig -----------------------------------------------------------------------------------
+    "max_position_embeddings": SHAPE,  # megatron-core 0.12's MLA (YaRN) config; later original_max_position_embeddings
     **{name: SHAPE for name in (
         "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_base",
         "rotary_percent", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
