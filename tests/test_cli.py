@@ -125,7 +125,7 @@ def test_info_describes_the_device_and_the_versions(info):
     assert {"python", "devshim-core", "torch", "deepspeed"} <= set(info["versions"])
     assert info["versions"]["devshim-core"] == "0.1.0"
     # the supported ranges, as the patch sets declare them (one place each)
-    assert info["supported"] == {"deepspeed": ">=0.16,<0.20", "megatron-core": ">=0.16,<0.17"}
+    assert info["supported"] == {"deepspeed": ">=0.16,<0.20", "megatron-core": ">=0.12.1,<0.17"}
 
 
 def test_info_says_where_the_kernels_come_from_and_which_adam_implementation_runs(info):

@@ -22,7 +22,7 @@ def test_devshims_own_table_lists_in_install_order_without_applying_anything():
     assert REGISTRY.report() == before  # listing applied nothing
     megatron = table.builtin()[3].describe()
     assert megatron["needs"] == ["cuda-redirect"] and "megatron.core" in megatron["triggers"]
-    assert megatron["framework"] == "megatron-core>=0.16,<0.17"
+    assert megatron["framework"] == "megatron-core>=0.12.1,<0.17"
     assert "megatron-core" in megatron["patch_sets"]
 
 
