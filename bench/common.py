@@ -79,10 +79,18 @@ class Comparison:
     details: dict[str, Any] = field(default_factory=dict)  # bytes moved, GB/s, memory, losses, ...
     judged: bool = True
     kernel_only: bool = False
+    # the operators each contender's work is done by (bench.kernel_calls.kernels_run), where the bench knows them
+    subject_kernels: tuple[str, ...] | None = None
+    peer_kernels: tuple[str, ...] | None = None
     estimate: Estimate = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.estimate = paired_ratio(self.subject_rounds, self.peer_rounds)
+        problem = self_comparison({"subject_kernels": self.subject_kernels, "peer_kernels": self.peer_kernels,
+                                   "peer": self.peer})
+        if self.judged and problem:
+            raise ValueError(f"{self.group} {self.case}: {problem}; a row that times a kernel against itself is "
+                             "informational (judged=False)")
 
     @property
     def subject_seconds(self) -> float:
@@ -111,6 +119,14 @@ class Comparison:
         return {**found, "subject_seconds": self.subject_seconds, "peer_seconds": self.peer_seconds,
                 "rounds": len(self.subject_rounds), "ratio": self.ratio, "ci_low": self.estimate.low,
                 "ci_high": self.estimate.high, "verdict": self.verdict}
+
+
+def self_comparison(row: dict[str, Any]) -> str | None:
+    """Why ``row`` (a comparison, or its JSON) times a kernel against itself, or ``None``."""
+    ours, theirs = row.get("subject_kernels"), row.get("peer_kernels")
+    if ours and theirs and tuple(ours) == tuple(theirs):
+        return f"devshim and {row.get('peer')} both run {', '.join(ours)}"
+    return None
 
 
 @dataclass

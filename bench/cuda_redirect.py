@@ -7,10 +7,12 @@ after torch and must have selected cpu_reference with the CUDA redirect applied.
 
 | case | redirect process | plain process | target |
 |---|---|---|---|
-| factory, device named | ``torch.empty(64, device='cuda')`` | ``torch.empty(64, device='cpu')`` | ≤ 0.5 µs added |
+| factory, device named | ``torch.empty(64, device='cuda')`` | ``torch.empty(64, device='cpu')`` | ≤ 150 ns added |
 | factory, no device | ``torch.empty(64)`` | ``torch.empty(64)`` | ≤ 1.05× |
-| Tensor.to, device named | ``x.to('cuda')`` | ``x.to('cpu')`` | ≤ 0.5 µs added |
+| Tensor.to, device named | ``x.to('cuda')`` | ``x.to('cpu')`` | ≤ 150 ns added |
 | Tensor.to, dtype only | ``x.to(torch.float16)`` | ``x.to(torch.float16)`` | ≤ 1.05× |
+
+(The "added" bound was 0.5 µs until issue 30 set it to 150 ns, the overhead Moore Threads' torchada publishes.)
 
 (``x`` is a 64-element fp32 tensor on the CPU.) The statistic and the rounds were fixed before any timing
 was taken:
@@ -70,7 +72,7 @@ from bench.stats import alternating
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "cuda_redirect_worker.py"
 ROUNDS, CALLS, LOOPS, IN_PROCESS_LOOPS = 8, 10_000, 5, 10
-ADDED_SECONDS = 0.5e-6  # the issue's bound for a factory call naming 'cuda'
+ADDED_SECONDS = 150e-9  # issue 30: a redirected call adds at most 150 ns (torchada publishes about 140 ns)
 NO_DEVICE_MAX_RATIO = 1.05
 TARGETS = {  # case -> (kind, the statements compared)
     "factory, device named": ("added", "torch.empty(64, device='cuda') vs torch.empty(64, device='cpu')"),
@@ -103,7 +105,7 @@ def _judged(case: str, compared: str, protocol: str, subject: list[float], peer:
     kind = TARGETS[case][0]
     base = statistics.geometric_mean(peer)
     if kind == "added":
-        max_ratio, target = 1 + ADDED_SECONDS / base, f"≤ {ADDED_SECONDS * 1e6:.1f} µs added"
+        max_ratio, target = 1 + ADDED_SECONDS / base, f"≤ {ADDED_SECONDS * 1e9:.0f} ns added"
     else:
         max_ratio, target = NO_DEVICE_MAX_RATIO, f"≤ {NO_DEVICE_MAX_RATIO:.2f}×"
     row = Comparison(

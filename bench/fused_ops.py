@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import Comparison, Note, Result
-from bench.kernel_calls import forward_backward, forward_only, outputs_and_gradients
+from bench.kernel_calls import forward_backward, forward_only, kernels_run, outputs_and_gradients
 from bench.stats import interleaved_rounds
 
 Tensor = torch.Tensor
@@ -170,6 +170,11 @@ def _compiled_peer(name: str, leaves: tuple[Tensor, ...], grad: Tensor) -> tuple
                           f"(inductor FX graph cache: {hits} hits, {misses} misses)", round(seconds, 2), "s")
 
 
+def _timed_call(mode: str, fn: Callable[..., Tensor], leaves: tuple[Tensor, ...], grad: Tensor) -> Callable[[], object]:
+    call = partial(fn, *leaves)
+    return forward_backward(call, leaves, grad) if mode == "fwd+bwd" else forward_only(call)
+
+
 def run(quick: bool = False) -> list[Result]:
     torch.manual_seed(0)
     results: list[Result] = []
@@ -195,7 +200,16 @@ def run(quick: bool = False) -> list[Result]:
                 both = _time({n: forward_backward(partial(fn, *leaves), leaves, grad) for n, fn in contenders.items()},
                              quick)
             for mode, times in (("fwd+bwd", both), ("fwd", fwd)):
+                with _no_recompiles() if COMPILED in peers else nullcontext():
+                    kernels = {n: kernels_run(_timed_call(mode, fn, leaves, grad)) for n, fn in contenders.items()}
                 for peer_name in peers:
+                    # a peer running what another peer runs repeats that row (torch's F.rms_norm is the plain
+                    # expression on the CPU), and a peer running devshim's own kernels times them against themselves
+                    repeats = peer_name != PLAIN and kernels[peer_name] == kernels[PLAIN]
+                    same = kernels[peer_name] == kernels[DEVSHIM]
+                    details = {"repeats": PLAIN} if repeats else {}
                     results.append(Comparison(GROUP, f"{name} {dt} {mode}", DEVSHIM, times[DEVSHIM], peer_name,
-                                              times[peer_name], 1.0, TARGET, kernel_only=True))
+                                              times[peer_name], 1.0, TARGET, details, kernel_only=True,
+                                              judged=not (repeats or same), subject_kernels=kernels[DEVSHIM],
+                                              peer_kernels=kernels[peer_name]))
     return results

@@ -24,6 +24,26 @@ def forward_backward(fn: Callable[[], Tensor], inputs: tuple[Tensor, ...], grad:
     return lambda: torch.autograd.grad(fn(), inputs, grad)
 
 
+# an op taking at least this share of a call's own (self) CPU time is one of the kernels that do its work
+KERNEL_SHARE = 0.05
+
+
+def kernels_run(call: Callable[[], object]) -> tuple[str, ...]:
+    """The operators that do the work in one ``call``: profiled once (``torch.profiler``, CPU), the ops holding at
+    least ``KERNEL_SHARE`` of the self CPU time, sorted by name. Two contenders with the same answer run the same
+    kernels: timing one against the other compares a kernel with itself."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()  # once untimed: lazy set-up is not the work
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in events)
+    if total <= 0:
+        return ()
+    return tuple(sorted(e.key for e in events if e.self_cpu_time_total >= KERNEL_SHARE * total))
+
+
 def outputs_and_gradients(ours: Callable[[], Tensor], peer: Callable[[], Tensor], inputs: tuple[Tensor, ...],
                           grad: Tensor) -> list[tuple[str, Tensor, Tensor]]:
     """(what, devshim's, the peer's) for the output and each input's gradient, for the caller to compare."""

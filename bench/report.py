@@ -15,7 +15,7 @@ import sys
 
 from bench import plots
 from bench.__main__ import DEFAULT_OUTPUT
-from bench.common import seconds_text
+from bench.common import seconds_text, self_comparison
 from bench.stats import VERDICTS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -99,6 +99,14 @@ def replace_block(text: str, kind: str, body: str) -> str:
     return f"{head}{begin}\n{body}{end}{rest.split(end, 1)[1]}"
 
 
+def refuse_self_comparisons(document: dict) -> None:
+    """A judged row whose contenders run the same kernels is a mistake of the benchmark, not a result."""
+    wrong = [f"{r['group']} / {r['case']} / {r['subject']}: {problem}" for r in document["comparisons"]
+             if r["verdict"] != "informational" and (problem := self_comparison(r))]
+    if wrong:
+        raise SystemExit("refusing judged rows that time a kernel against itself:\n  " + "\n  ".join(wrong))
+
+
 def render(document: dict, kind: str) -> str:
     return {"summary": summary, "tables": tables}[kind](document)
 
@@ -110,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="rewrite the generated blocks of the README and docs, and draw the plots in docs/img")
     args = parser.parse_args(argv)
     document = json.loads(args.results.read_text())
+    refuse_self_comparisons(document)
     if not args.write:
         print(tables(document))
         return 0

@@ -10,7 +10,6 @@ import devshim_kernels as K
 import pytest
 import torch
 import torch.nn.functional as F
-from devshim_kernels import blocked_attention
 from devshim_kernels.layouts import from_bnsd, to_bnsd
 
 attention_module = importlib.import_module("devshim_kernels.attention")  # the package's `attention` is the function
@@ -95,7 +94,7 @@ def test_inference_without_gradients_gives_the_same_attention(layout):
 
 
 def test_causal_training_attention_longer_than_one_row_block_matches_the_math():
-    """Short causal fp32 training attention takes the blocked GEMM kernel; 300 rows span three blocks of 128."""
+    """Causal fp32 training attention over 300 rows with grouped key/value heads."""
     q, k, v = leaves((1, 2, 300, 16), (1, 1, 300, 16), (1, 1, 300, 16))
     out = K.attention(q, k, v, causal=True)
     assert_matches_reference(out, (q, k, v), lambda q, k, v: reference(q, k, v, causal=True), torch.float32)
@@ -177,7 +176,7 @@ def spy(monkeypatch, owner, name):
 
 # (kwargs for K.attention, q/k/v shapes, the kernel expected to run): every dispatch path passes gradcheck
 GRADCHECK_CASES = {
-    "causal-blocked-gemm": ({"causal": True}, [(1, 2, 5, 3)] * 3, (blocked_attention, "blocked_causal_attention")),
+    "causal-sdpa": ({"causal": True}, [(1, 2, 5, 3)] * 3, (F, "scaled_dot_product_attention")),
     "full-sdpa": ({}, [(1, 2, 5, 3)] * 3, (F, "scaled_dot_product_attention")),
     "causal+mask-flash-cpu": ({"causal": True, "attn_mask": torch.tensor([True, True, False, True, True])},
                               [(1, 2, 5, 3)] * 3, (attention_module, "_FLASH_CPU")),
@@ -186,8 +185,7 @@ GRADCHECK_CASES = {
     "bottom-right-sdpa": ({"causal": True, "causal_alignment": "bottom_right"}, [(1, 2, 3, 3), (1, 2, 5, 3),
                                                                                  (1, 2, 5, 3)],
                           (F, "scaled_dot_product_attention")),
-    "gqa-causal": ({"causal": True}, [(1, 4, 5, 3), (1, 2, 5, 3), (1, 2, 5, 3)],
-                   (blocked_attention, "blocked_causal_attention")),
+    "gqa-causal": ({"causal": True}, [(1, 4, 5, 3), (1, 2, 5, 3), (1, 2, 5, 3)], (F, "scaled_dot_product_attention")),
 }
 
 

@@ -6,14 +6,14 @@ means ``1/sqrt(head_dim)``. Grouped-query attention is accepted wherever the key
 query head count. A query that may attend to no key at all gets a zero output (and zero gradient).
 
 Everything below is views plus one attention call per batch (per sequence for packed ``TND`` input of unequal
-lengths). The call is SDPA, with its own backward, except in two measured cases on CPU:
+lengths). The call is SDPA, with its own backward, except for causal plus a mask on CPU: SDPA refuses
+``is_causal`` together with a mask, and folding the triangle into the mask costs the flash kernel its block
+skipping (~30% at 1k tokens), so this calls the kernel SDPA itself dispatches to, which takes both.
 
-- training causal self-attention without mask or dropout in fp32/fp64 whose saved probabilities fit a budget
-  (short sequences): :mod:`devshim_kernels.blocked_attention`, batched GEMMs over row blocks that skip the
-  masked triangle, faster than SDPA's flash kernel forward+backward (~1.4x at 512 tokens, ~1.2x at 1024);
-- causal plus a mask: SDPA refuses ``is_causal`` together with a mask, and folding the triangle into the mask
-  costs the flash kernel its block skipping (~30% at 1k tokens), so this calls the kernel SDPA itself
-  dispatches to, which takes both.
+There is no kernel of devshim's own here: where devshim's attention serves a framework it must be no slower than
+SDPA and hold no more memory (issue 30). A blocked GEMM kernel that skipped the masked triangle was faster at
+512 tokens in fp32 but kept the causal blocks of the probabilities for the backward (1.9-5.1x SDPA's peak
+memory at 512-2048 tokens) and was slower from 1024 tokens on this project's machine; it was removed.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Literal, cast
 import torch
 import torch.nn.functional as F
 
-from devshim_kernels import blocked_attention as blocked
 from devshim_kernels.layouts import LAYOUTS, check_layout, from_bnsd, to_bnsd
 from devshim_kernels.varlen import CuSeqlens, seq_lengths
 
@@ -117,10 +116,6 @@ def _bnsd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, al
             raise ValueError(f"attn_mask of shape {tuple(mask.shape)} has more than 4 dimensions")
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # SDPA refuses e.g. a 1-D key mask
     s_q, s_k = q.shape[-2], k.shape[-2]
-    if causal and mask is None and _blocked_applies(q, k, v, dropout_p):
-        if _log.isEnabledFor(logging.DEBUG):  # a hot path: nothing is formatted unless asked
-            _log.debug("attention %s %s: blocked causal GEMMs", tuple(q.shape), q.dtype)
-        return blocked.blocked_causal_attention(q, k, v, scale)
     bottom_right = alignment == "bottom_right" and s_q != s_k
     if causal and (mask is not None or bottom_right):
         # (mask is not None: it is, when not bottom_right; said again for the type checker)
@@ -140,15 +135,6 @@ def _bnsd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, al
 
 def _restrict(mask: Tensor, keep: Tensor) -> Tensor:
     return mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
-
-
-def _blocked_applies(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
-    """Short causal self-attention in fp32/fp64 on CPU, for training: where the blocked GEMM kernel beats the
-    flash kernel (its backward; the flash forward alone is as fast or faster)."""
-    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (training and q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in blocked.DTYPES
-            and k.dtype == v.dtype == q.dtype and q.shape[-2] == k.shape[-2] > 0
-            and blocked.saved_bytes(q.shape[0] * q.shape[1], q.shape[-2], q.element_size()) <= blocked.MAX_SAVED_BYTES)
 
 
 def _flash_cpu_applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> bool:
