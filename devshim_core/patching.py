@@ -613,30 +613,30 @@ class PatchRegistry:
             return record
 
     def _without_disabled_patches(self, patch_set: PatchSet) -> PatchSet:
-        kept = []
-        for patch in patch_set.patches:
-            why = self._disabled.get(f"{patch_set.name}:{patch.name}")
-            if why is None:
-                kept.append(patch)
-            else:
-                self._skipped[f"{patch_set.name}\0{patch.name}"] = why
-                logger.debug("patch %s:%s not applied: %s", patch_set.name, patch.name, why)
-        if len(kept) == len(patch_set.patches):
-            return patch_set
-        return dataclasses.replace(patch_set, patches=tuple(kept))
+        return self._leave_out(patch_set, lambda patch: self._disabled.get(f"{patch_set.name}:{patch.name}"))
 
     def _without_gated_patches(self, patch_set: PatchSet) -> PatchSet:
-        kept = []
-        for patch in patch_set.patches:
+        def why(patch: Patch) -> str | None:
             requires = patch.requires if isinstance(patch.requires, (tuple, list)) else ()  # check() names the mistake
             gates = [r for r in requires if isinstance(r, Requirement) and r.gate]
-            why = next((problem for r in gates if (problem := _unmet(r, patch_set, patch))), None)
+            problem = next((problem for r in gates if (problem := _unmet(r, patch_set, patch))), None)
+            return None if problem is None else f"not for the installed version: {problem}"
+
+        return self._leave_out(patch_set, why, gated=True)
+
+    def _leave_out(self, patch_set: PatchSet, why_out: Callable[[Patch], str | None], gated: bool = False) -> PatchSet:
+        """``patch_set`` without the patches ``why_out`` gives a reason for, each recorded with it (and, ``gated``,
+        kept for :meth:`gated_report`)."""
+        kept = []
+        for patch in patch_set.patches:
+            why = why_out(patch)
             if why is None:
                 kept.append(patch)
-            else:
-                self._skipped[f"{patch_set.name}\0{patch.name}"] = f"not for the installed version: {why}"
+                continue
+            self._skipped[f"{patch_set.name}\0{patch.name}"] = why
+            if gated:
                 self._gated.append((patch_set, patch))
-                logger.debug("patch %s:%s not applied: %s", patch_set.name, patch.name, why)
+            logger.debug("patch %s:%s not applied: %s", patch_set.name, patch.name, why)
         if len(kept) == len(patch_set.patches):
             return patch_set
         return dataclasses.replace(patch_set, patches=tuple(kept))

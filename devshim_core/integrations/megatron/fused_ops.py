@@ -147,11 +147,10 @@ def _attention_init(original: Callable[..., None], device: Device) -> Callable[.
 
 
 def _this_ranks_chunks(t: Tensor, seq_dim: int, size: int, rank: int) -> Tensor:
-    """Megatron's load-balanced split: chunks ``rank`` and ``2 * size - 1 - rank`` of ``2 * size`` along ``seq_dim``,
+    """Megatron's load-balanced split of ``t`` along ``seq_dim`` (``context_parallel.load_balanced_positions``),
     indexed on ``t``'s device (Megatron pins a host index and copies it, which fails without a CUDA allocator)."""
-    chunks = t.view(*t.shape[:seq_dim], 2 * size, -1, *t.shape[seq_dim + 1:])
-    picked = chunks.index_select(seq_dim, torch.tensor([rank, 2 * size - rank - 1], device=t.device))
-    return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
+    positions = context_parallel.load_balanced_positions(t.shape[seq_dim] // size, size, rank, t.device)
+    return t.index_select(seq_dim, positions)
 
 
 def _cp_size_and_rank() -> tuple[int, int]:
