@@ -44,9 +44,6 @@ ADDED_SECONDS = 0.020  # issue 30: import devshim_core.auto adds at most 20 ms t
 # issue 30: DEVSHIM_AUTO=1 (the start-up hook) adds nothing measurable to an interpreter that never imports torch
 BARE_MAX_RATIO = 1.02
 BARE_ROUNDS = 20
-# issue 30: DEVSHIM_AUTO=1 (the start-up hook) adds nothing measurable to an interpreter that never imports torch
-BARE_MAX_RATIO = 1.02
-BARE_ROUNDS = 20
 ROUNDS = 15
 CONTENDERS = {
     "deepspeed alone": ["import deepspeed"],

@@ -8,10 +8,12 @@ every Python process) costs no more than that module.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
+# neither typing nor importlib at import time: the DEVSHIM_AUTO start-up hook imports this package in every Python
+# process of the environment, most of which never import torch
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from devshim_core.api import SessionInfo, activate, active_session
     from devshim_core.hookspecs import hookimpl
     from devshim_core.records import (
@@ -66,6 +68,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'devshim_core' has no attribute {name!r}")
+    import importlib
+
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -6,17 +6,18 @@ Frameworks bind references at import time; a patch that must land before those b
 
 from __future__ import annotations
 
+import _thread  # not threading, nor typing below: the DEVSHIM_AUTO start-up hook imports this in every process
 import sys
-import threading
-from collections.abc import Callable
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, cast
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     import importlib.abc
     import importlib.machinery
+    from collections.abc import Callable
+    from types import ModuleType
+    from typing import Any
 
-Callback = Callable[[ModuleType], None]
+    Callback = Callable[[ModuleType], None]
 
 
 def is_imported(name: str) -> bool:
@@ -59,8 +60,8 @@ class _Loader:  # the import system's loader protocol; importlib.abc is not impo
 class _Finder:  # a meta-path finder by protocol, for the same reason
     def __init__(self) -> None:
         self.pending: dict[str, list[Callback]] = {}
-        self._lock = threading.Lock()
-        self._resolving = threading.local()
+        self._lock = _thread.allocate_lock()
+        self._resolving = _thread._local()
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self.pending or getattr(self._resolving, "active", False):
@@ -79,11 +80,16 @@ class _Finder:  # a meta-path finder by protocol, for the same reason
             self._resolving.active = False
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = cast("importlib.abc.Loader", _Loader(spec.loader, fullname))  # a Loader by protocol
+        spec.loader = _Loader(spec.loader, fullname)  # type: ignore[assignment]  # a Loader by protocol
         return spec
 
 
 _FINDER = _Finder()
+
+
+def finder() -> _Finder:
+    """The meta-path finder that runs the callbacks (for a finder that hands it a lookup)."""
+    return _FINDER
 
 
 def after_import(name: str, callback: Callback) -> bool:

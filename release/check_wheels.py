@@ -51,7 +51,7 @@ CORE = "devshim-core"
 EMULATION = "devshim-emulation"
 # each distribution's directory and the top-level modules its wheel must install, nothing more
 LAYOUT: dict[str, tuple[str, ...]] = {
-    ".": ("devshim_core",),
+    ".": ("devshim_core", "_devshim_startup"),  # the second: the DEVSHIM_AUTO start-up module the .pth imports
     "kernels": ("devshim_kernels",),
     "plugins/cpu_reference": ("devshim_cpu_reference",),
     "plugins/ascend": ("devshim_ascend",),
@@ -498,7 +498,7 @@ def check_info(venv: Venv, distributions: list[Distribution], logs: Path, cwd: P
     return f"selected cpu_reference ({info['reason']})"
 
 
-# DEVSHIM_AUTO activates devshim inside the process's first `import torch` (devshim_core._startup), not before
+# DEVSHIM_AUTO activates devshim inside the process's first `import torch` (_devshim_startup), not before
 STARTUP_PROBE = "import json, sys, torch; print(json.dumps('devshim_core.auto' in sys.modules))"
 
 

@@ -28,7 +28,7 @@ print(type(get_accelerator()).__name__)
 IMPORT_EVERYTHING_BUT_AUTO = """\
 import json, pkgutil, sys
 import devshim_core
-skipped = {"devshim_core.auto", "devshim_core._startup", "devshim_core.__main__"}  # auto, and what runs it
+skipped = {"devshim_core.auto", "devshim_core.__main__"}  # auto, and what runs it
 imported = []
 for info in pkgutil.walk_packages(devshim_core.__path__, "devshim_core."):
     if info.name not in skipped:
@@ -75,7 +75,7 @@ def test_the_startup_file_is_installed_in_site_packages_by_devshim_core_itself()
     text = (site_packages / "devshim-auto.pth").read_text()
     assert text == (PROJECT_DIR / "build_support" / "devshim-auto.pth").read_text()
     assert text.startswith("import ")  # site.py executes only .pth lines that start with "import"
-    assert 'os.environ.get("DEVSHIM_AUTO", "")' in text and "devshim_core._startup" in text
+    assert 'os.environ.get("DEVSHIM_AUTO", "")' in text and "_devshim_startup" in text
 
 
 def test_with_devshim_auto_set_an_unmodified_deepspeed_script_runs_on_devshims_accelerator(started):
@@ -92,10 +92,10 @@ def test_with_devshim_auto_set_a_process_that_never_imports_torch_imports_neithe
             if line.startswith("import time:") and "imported package" not in line]
     cumulative = {row[2].strip(): int(row[1]) for row in rows}
     assert "torch" not in cumulative and "pluggy" not in cumulative and "devshim_core.session" not in cumulative
-    devshim = sorted(name for name in cumulative if name.startswith("devshim"))
-    assert devshim == ["devshim_core", "devshim_core._startup", "devshim_core.env_values", "devshim_core.errors",
-                       "devshim_core.import_hooks"]
-    assert cumulative["devshim_core._startup"] < 50_000, "µs: a few small modules, not a framework"
+    devshim = sorted(name for name in cumulative if name.startswith(("devshim", "_devshim")))
+    # one module of devshim's, outside its package, that imports nothing: devshim's import hook is loaded only
+    # when torch is looked up (bench/import_cost.py times what this costs against python -c pass)
+    assert devshim == ["_devshim_startup"]
 
 
 def test_with_devshim_auto_set_spawn_and_forkserver_workers_run_on_devshims_accelerator(started):
@@ -207,3 +207,31 @@ def test_with_a_bad_setting_the_scripts_own_import_raises_the_error_in_full(star
     assert result.returncode == 1
     traceback = result.stderr[result.stderr.index("Traceback"):]
     assert "devshim_core.errors.SelectionError: DEVSHIM_PLUGIN names 'nope'" in traceback
+
+
+def test_with_devshim_auto_set_devshim_activates_even_when_its_import_hook_was_in_use_before_torch():
+    """The start-up finder hands torch's lookup to devshim's import hook; when that hook already sits in
+    ``sys.meta_path`` (something imported a devshim module that waits for a framework before torch), the lookup
+    still reaches it once, and every other finder still gets its turn (a module only the last finder knows)."""
+    script = """\
+import importlib.abc, importlib.util, sys
+from devshim_core import import_hooks
+import_hooks.after_import("json", lambda module: None)  # json is imported already: runs now, no finder kept
+import_hooks.after_import("never_imported_module", lambda module: None)  # keeps devshim's finder in sys.meta_path
+
+class Last(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        return importlib.util.spec_from_loader(name, self) if name == "only_the_last_finder_knows" else None
+    def exec_module(self, module):
+        module.found_by = "the last finder"
+
+sys.meta_path.append(Last())
+import torch
+from devshim_core import active_session
+print(active_session() is not None)
+import only_the_last_finder_knows
+print(only_the_last_finder_knows.found_by)
+"""
+    result = run([PYTHON, "-c", script], clean_env(DEVSHIM_AUTO="1", DEVSHIM_PLUGIN="cpu_reference"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["True", "the last finder"]
