@@ -89,11 +89,12 @@ $(MEGATRON_OLDEST_STAMP): $(BUILD_INPUTS) requirements-megatron-oldest.txt
 	$(MEGATRON_OLDEST_VENV)/bin/python -m pip install --quiet --no-deps $(DISTRIBUTIONS)
 	touch $(MEGATRON_OLDEST_STAMP)
 
-# megatron-core's end-to-end suite (every parallel layout, context parallelism, resume) and the fused paths again
-# on the oldest supported megatron-core, on the host CPU and the emulated npu (MindSpeed's device)
+# megatron-core's end-to-end suite (every 2-rank parallel layout, context parallelism, resume) and the fused paths
+# again on the oldest supported megatron-core, on the host CPU and the emulated npu (MindSpeed's device); the 4-rank
+# layouts run on the newest only (CI's time)
 test-megatron-oldest: $(MEGATRON_OLDEST_STAMP)
 	$(MEGATRON_OLDEST_VENV)/bin/python -m pytest tests/e2e/test_megatron_training.py tests/test_megatron_fused_paths.py \
-		tests/test_megatron_moe_fused.py -k "not tpu" $(PYTEST_ARGS)
+		tests/test_megatron_moe_fused.py -k "not tpu and not 4_ranks" $(PYTEST_ARGS)
 
 # every distribution built as a release (python -m build: sdist, then the wheel from it) and installed, not
 # editable, into a fresh venv: metadata, devshim info, the DEVSHIM_AUTO .pth, the 2-rank demo, uninstall (~1 min)

@@ -52,7 +52,9 @@ _LEFT, _RIGHT = 3.2, 2.0  # inches for the labels at the left and the figures at
 
 # bench/attention.py's names for its contenders and cases (not imported: it needs torch)
 _SDPA, _MEGATRON = "raw SDPA (BNSD)", "Megatron DotProductAttention"
-_CASE = re.compile(r"\bs=(?P<seq>\d+) d=(?P<head_dim>\d+) (?P<batch>\d+)x(?P<heads>\d+)h (?P<mode>fwd\+bwd|fwd)$")
+# the fp32 multi-head cases only: bf16 and GQA cases (" 2kv") would overwrite their panels' points
+_CASE = re.compile(r"^causal fp32 s=(?P<seq>\d+) d=(?P<head_dim>\d+) (?P<batch>\d+)x(?P<heads>\d+)h "
+                   r"(?P<mode>fwd\+bwd|fwd)$")
 _DEVSHIM_LAYOUT = re.compile(r"^devshim attention \((?P<layout>\w+)\)$")
 _CONTENDER_STYLE: dict[str, dict[str, Any]] = {  # colour, marker and line style: three cues, not one
     "devshim": {"color": "#0072B2", "marker": "o", "linestyle": "-"},

@@ -1,10 +1,11 @@
-"""Spec: ``bench.attention.peak_bytes``, the peak-memory figure next to each attention time."""
+"""Spec: ``bench.attention.peak_bytes``, the peak-memory figure next to each attention time, and
+``bench.attention.memory_judgement``, the rule it is judged by (devshim's peak <= 1.00x the peer's)."""
 
 from __future__ import annotations
 
 import torch
 
-from bench.attention import peak_bytes
+from bench.attention import memory_judgement, peak_bytes
 
 MiB = 1 << 20
 
@@ -36,3 +37,12 @@ def test_a_forward_and_backward_counts_outputs_gradients_and_what_autograd_saved
         torch.autograd.grad(y.sum(), (x, weight))  # + gradients: 1 MiB for x, 4 MiB for weight
 
     assert peak_bytes(step) >= 6 * MiB
+
+
+def test_the_memory_rule_is_met_at_or_below_the_peers_peak_and_missed_above_it():
+    assert memory_judgement(3 * MiB, 4 * MiB) == {"peak_memory_ratio": 0.75, "memory_max_ratio": 1.0,
+                                                  "memory_verdict": "met"}
+    assert memory_judgement(4 * MiB, 4 * MiB)["memory_verdict"] == "met"  # equal memory meets it
+    above = memory_judgement(4 * MiB + 1, 4 * MiB)
+    assert above["peak_memory_ratio"] > 1.0 and above["memory_verdict"] == "missed"
+    assert memory_judgement(1, 0)["memory_verdict"] == "missed"  # more than a peer that allocated nothing

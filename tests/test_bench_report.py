@@ -123,7 +123,8 @@ def test_the_attention_series_are_what_the_rows_and_notes_record():
         assert set(panel["time"]) == {"fwd+bwd", "fwd"}
         for memory in ("saved", "peak"):
             for who, held in panel[memory].items():
-                assert sorted(held) == [512, 1024, 2048], (memory, who)
+                # every contender at 512-2048; at 4096 only the layouts bench/attention.py's longest cases time
+                assert {512, 1024, 2048} <= set(held) <= {512, 1024, 2048, 4096}, (memory, who)
         # the rounded MiB notes bench/attention.py writes agree with the exact bytes the plot draws
         for note in (n for n in RESULTS["notes"] if n["name"].startswith("s=") and f" d={head_dim}:" in n["name"]):
             seq = int(note["name"].split()[0].removeprefix("s="))

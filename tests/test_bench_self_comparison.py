@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import Comparison
-from bench.kernel_calls import forward_backward, forward_only, kernels_run
+from bench.kernel_calls import forward_backward, forward_only, kernels_of, kernels_run
 from bench.report import refuse_self_comparisons
 
 ROUNDS = [1.0, 1.1, 0.9]
@@ -53,3 +53,17 @@ def test_the_kernels_of_different_work_differ():
     matmul = kernels_run(forward_backward(lambda: x @ x, (x,), grad))
     softmax = kernels_run(forward_backward(lambda: torch.softmax(x, -1), (x,), grad))
     assert matmul and softmax and matmul != softmax
+
+
+def test_contenders_decided_together_agree_on_an_op_near_the_threshold_and_tell_an_added_copy_apart():
+    """``kernels_of``: a working kernel of any contender counts for every contender that spends 1% on it, so the
+    same work gets the same answer whichever side of 5% a small op falls on in one profile; a contender whose own
+    extra op takes 5% of its time (a layout copy) does other work."""
+    q, k, v = (torch.randn(1, 4, 512, 64) for _ in range(3))
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    big = torch.randn(4, 512, 2048)
+    copied = lambda: (sdpa(), big.transpose(1, 2).contiguous())  # noqa: E731
+    found = kernels_of({"devshim": forward_only(lambda: K.attention(q, k, v, causal=True)),
+                        "sdpa": forward_only(sdpa), "sdpa and a copy": forward_only(copied)})
+    assert found["devshim"] == found["sdpa"] and found["sdpa"]
+    assert set(found["sdpa and a copy"]) > set(found["sdpa"])

@@ -112,6 +112,8 @@ def test_context_parallel_with_tensor_parallel_and_the_hybrid_on_4_ranks(runs: t
     """CP 2 x TP 2 (with sequence parallelism) and CP 4 as Ulysses within pairs and a ring across them
     (hierarchical_context_parallel_sizes [2, 2], MindSpeed's hybrid_cp_algo) reproduce the single-rank run."""
     platform, reference, _ = runs
+    if platform.id == "tpu":  # CI's 30 minutes: the 4-rank jobs take ~40 s a platform on 2 cores
+        pytest.skip("the 4-rank layouts run on cpu and the emulated npu; the tpu runs CP at 2 ranks above")
     workdir = Path(reference["workdir"])
     env = platform.job_env({key: "4" for key in platform.two_devices_env})
     job = run_job("torchrun", ["--workdir", str(workdir)], workdir, env=env, script=JOB, ranks=4, report=False,

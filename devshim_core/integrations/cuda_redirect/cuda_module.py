@@ -117,11 +117,18 @@ def replacements(d: Device, devices: DeviceMap) -> dict[str, Any]:
         if not (type(device) is int and device < 0):  # torch.cuda.set_device(-1) is a no-op
             d.set_device(index(device))
 
+    # the default, 'cuda' (the current device), is the device module's own default: a training loop that saves the
+    # RNG state every step pays no device lookup for it (bench/cuda_redirect.py times the call)
     def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        if device == "cuda" and type(device) is str:
+            return d.get_rng_state()
         return d.get_rng_state(d.torch_device(index(device)))
 
     def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-        d.set_rng_state(new_state, d.torch_device(index(device)))
+        if device == "cuda" and type(device) is str:
+            d.set_rng_state(new_state)
+        else:
+            d.set_rng_state(new_state, d.torch_device(index(device)))
 
     seed = getattr(module, "seed", None) or (lambda: d.manual_seed(random.getrandbits(63)))
     seed_all = getattr(module, "seed_all", None) or (lambda: d.manual_seed_all(random.getrandbits(63)))
@@ -134,8 +141,11 @@ def replacements(d: Device, devices: DeviceMap) -> dict[str, Any]:
         return d.available_memory(i), d.total_memory(i)
 
     def by_index(function: Callable[..., Any]) -> Callable[..., Any]:
-        def call(device: Any = None, *args: Any, **kwargs: Any) -> Any:
-            return function(index(device), *args, **kwargs)
+        # None is passed on: the allocator's callables take an optional index, None the current device, like
+        # torch.cuda's (AllocatorSpec), so memory_allocated() pays no current-device lookup
+        # torch.cuda's memory functions take the device alone
+        def call(device: Any = None) -> Any:
+            return function(None if device is None else index(device))
 
         call.__name__ = call.__qualname__ = getattr(function, "__name__", "call")
         return call
