@@ -43,6 +43,32 @@ def _interval(row: dict) -> str:
     return f"{row['ratio']:.3f}× ({row['ci_low']:.3f}-{row['ci_high']:.3f})"
 
 
+def _also(row: dict) -> str:
+    """What a row judges or reports beside its time: peak memory against the peer's (a deterministic figure, met
+    or missed), the moonshot verdict of its time ratio, the fraction of the run's copy bandwidth reached."""
+    d, found = row["details"], []
+    if "peak_memory_ratio" in d:
+        found.append(f"peak memory {d['peak_memory_ratio']:.3f}× (≤ {d['memory_max_ratio']:.2f}×: "
+                     f"{_verdict({'verdict': d['memory_verdict']})})")
+    if "moonshot" in d and d["moonshot"] != "informational":
+        found.append(f"moonshot ≤ {d['moonshot_max_ratio']:.2f}×: {d['moonshot']}")
+    if "subject_fraction_of_copy_bandwidth" in d:
+        found.append(f"copy bandwidth reached: devshim {d['subject_fraction_of_copy_bandwidth']:.0%}, peer "
+                     f"{d['peer_fraction_of_copy_bandwidth']:.0%}")
+    return "; ".join(found)
+
+
+def _secondary(document: dict, key: str) -> dict[str, int]:
+    """How many rows have each verdict of ``details[key]`` (memory or moonshot), judged rows or not alike for
+    memory, judged rows only for the moonshot (an informational row's time judges nothing)."""
+    counts = {verdict: 0 for verdict in VERDICTS}
+    for r in document["comparisons"]:
+        value = r["details"].get(key)
+        if value in counts and (key == "memory_verdict" or r["judged"]):
+            counts[value] += 1
+    return counts
+
+
 def _by_group(document: dict) -> dict[str, tuple[list[dict], list[dict]]]:
     """Each group, in the order it ran, with its comparisons and its notes."""
     groups = dict.fromkeys(r["group"] for r in document["comparisons"] + document["notes"])
@@ -61,12 +87,15 @@ def tables(document: dict) -> str:
         lines += [f"#### {group}", ""]
         if group == "attention" and plots.ATTENTION in images:
             lines += [images[plots.ATTENTION]]
-        lines += ["| case | devshim | peer | ratio (95% CI) | target | verdict |", "|---|---|---|---|---|---|"]
+        also = any(_also(r) for r in rows)
+        lines += ["| case | devshim | peer | ratio (95% CI) | target | verdict |" + (" also |" if also else ""),
+                  "|---|---|---|---|---|---|" + ("---|" if also else "")]
         for r in rows:
             case = r["case"] + (" *(kernel only)*" if r["kernel_only"] else "")
             lines.append(f"| {case} | {r['subject']}: {seconds_text(r['subject_seconds'])} | {r['peer']}: "
                          f"{seconds_text(r['peer_seconds'])} | {_interval(r)} "
-                         f"| {r['target'] if r['judged'] else 'not judged'} | {_verdict(r)} |")
+                         f"| {r['target'] if r['judged'] else 'not judged'} | {_verdict(r)} |"
+                         + (f" {_also(r)} |" if also else ""))
         if notes:
             lines += ["", "| informational | value |", "|---|---|"]
             lines += [f"| {n['name']} | {n['value']:.4g} {n['unit']} |" for n in notes]
@@ -82,6 +111,12 @@ def summary(document: dict) -> str:
         counts = [sum(r["verdict"] == v for r in rows) for v in VERDICTS]
         informational = sum(r["verdict"] == "informational" for r in rows) + len(notes)
         lines.append(f"| {group} | {' | '.join(map(str, counts))} | {informational} |")
+    for key, what in (("memory_verdict", "Peak memory against the peer (attention rows)"),
+                      ("moonshot", "Moonshots (judged rows)")):
+        counts = _secondary(document, key)
+        if sum(counts.values()):
+            lines += ["", f"{what}: {counts['met']} met, {counts['missed']} missed, {counts['inconclusive']} "
+                          "inconclusive."]
     shortfalls = [r for r in document["comparisons"] if r["verdict"] == "missed"]
     if shortfalls:  # the inconclusive rows are in docs/performance.md; a README lists what is known to fall short
         lines += ["", "Missed:", ""]
