@@ -87,7 +87,7 @@ WARMUP, ROUNDS, STEPS_PER_ROUND = 2, 8, 3
 PROFILE = True  # the worker's per-phase wall-clock profile (a few timers per step, alike in every contender)
 SHARED_MEMORY_SET = "torch.distributed-shared-memory"
 # the devshim contenders' environments: devshim's own switches, nothing else differs
-DEVSHIM_ENV = {
+CONTENDER_ENV = {
     "devshim": {"DEVSHIM_PLUGIN": "cpu_reference", "DEVSHIM_CPU_DEVICE_COUNT": str(RANKS)},
     "devshim-collectives-off": {"DEVSHIM_PLUGIN": "cpu_reference", "DEVSHIM_CPU_DEVICE_COUNT": str(RANKS),
                                 "DEVSHIM_DISABLE": SHARED_MEMORY_SET},
@@ -115,7 +115,7 @@ class Contender:
             env = environment_without_devshim()
             env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_EXTENSIONS_DIR=str(extensions),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                       WORLD_SIZE=str(RANKS), LOCAL_WORLD_SIZE=str(RANKS), **DEVSHIM_ENV.get(name, {}))
+                       WORLD_SIZE=str(RANKS), LOCAL_WORLD_SIZE=str(RANKS), **CONTENDER_ENV.get(name, {}))
             log = open(workdir / f"{name}-rank{rank}.log", "w")  # noqa: SIM115 - closed in close()
             self.logs.append(log)
             self.ranks.append(subprocess.Popen(

@@ -275,7 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument("--log", action="append", metavar="PATH", dest="logs",
                          help="a migration log written by DEVSHIM_MIGRATION_LOG (repeat for each rank's): mark each "
                               "finding ran or never ran, and list what ran with no finding")
+    command = sub.add_parser("compare", help="run a script on this device and on a reference, compare them layer "
+                                             "by layer: devshim compare [options] -- python train.py ...")
+    from devshim_core.compare import runner
+
+    runner.add_arguments(command)
     args = parser.parse_args(argv)
+    if args.command == "compare":
+        return runner.main(args)
     try:
         if args.command == "check":
             return check(args.paths, args.json, args.only, args.logs)

@@ -206,8 +206,27 @@ def _check_allocator_config(plugin: str, allocator: AllocatorSpec) -> None:
         raise ConfigError(f"{allocator.config_env}={value!r} is not valid for the {plugin} device: {exc}") from exc
 
 
-def build_device(registry: PluginRegistry, selection: Selection) -> Device:
-    """Ask the selected plugin for its answers, validate them and bind them into one :class:`Device`."""
+def _reference_kernels(plugin: str, optimizer: OptimizerKernels,
+                       attention: FusedKernels) -> tuple[OptimizerKernels, FusedKernels]:
+    """devshim-kernels' reference ops in place of every kernel the plugin serves (``DEVSHIM_REFERENCE_KERNELS=1``).
+    An op the plugin leaves out stays out, so that the same paths run as without the switch."""
+    try:
+        reference_attention = _with_reference_ops(host_defaults.reference_fused_kernels())
+        reference_optimizer = host_defaults.reference_optimizer_kernels()
+    except ImportError as exc:
+        raise ConfigError(f"DEVSHIM_REFERENCE_KERNELS=1 needs devshim-kernels, which is not installed ({exc}): "
+                          "pip install devshim-kernels") from exc
+    fused = {f.name: getattr(reference_attention, f.name) if getattr(attention, f.name) is not None else None
+             for f in dataclasses.fields(FusedKernels) if f.name != "source"}
+    steps = {f.name: getattr(reference_optimizer, f.name) if getattr(optimizer, f.name) is not None else None
+             for f in dataclasses.fields(OptimizerKernels) if f.name != "source"}
+    note = f"devshim_kernels (DEVSHIM_REFERENCE_KERNELS=1, in place of the {plugin} plugin's)"
+    return OptimizerKernels(**steps, source=note), FusedKernels(**fused, source=note)
+
+
+def build_device(registry: PluginRegistry, selection: Selection, reference_kernels: bool = False) -> Device:
+    """Ask the selected plugin for its answers, validate them and bind them into one :class:`Device`
+    (``reference_kernels``: with devshim-kernels' ops in place of the plugin's, see :func:`_reference_kernels`)."""
     record = selection.plugin
     assert record.report is not None
     traits = _checked(registry, record, "devshim_device_traits", DeviceTraits,
@@ -223,6 +242,8 @@ def build_device(registry: PluginRegistry, selection: Selection) -> Device:
     optimizer = _checked(registry, record, "devshim_optimizer_kernels", OptimizerKernels, OptimizerKernels())
     attention = _with_reference_ops(_checked(registry, record, "devshim_attention_kernels", FusedKernels,
                                             FusedKernels()))
+    if reference_kernels:  # devshim compare --reference kernels: the device's own runtime, devshim's kernels
+        optimizer, attention = _reference_kernels(record.name, optimizer, attention)
     # host file I/O is the same whatever the device: a plugin that does not answer gets devshim's (host_defaults)
     offload_io = _checked(registry, record, "devshim_offload_io", OffloadIO, host_defaults.offload_io())
     patch_lists = _checked(registry, record, "devshim_patches", list, [])

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from devshim_core.records import OffloadIO, OptimizerKernels
+from devshim_core.records import FusedKernels, OffloadIO, OptimizerKernels
 
 
 def offload_io() -> OffloadIO:
@@ -31,3 +31,22 @@ def optimizer_kernels(fused_adamw: Callable[..., Any] | None, fused_source: str)
     return OptimizerKernels(fused_adamw=fused_adamw, host_adam_step=devshim_kernels.host_adam_step,
                             host_adam_rollback=devshim_kernels.host_adam_rollback,
                             source=f"{fused_source}; host Adam: devshim_kernels, {devshim_kernels.implementation()}")
+
+
+def reference_fused_kernels() -> FusedKernels:
+    """devshim-kernels' portable ops, every one: what the ``cpu_reference`` plugin serves, and what
+    ``DEVSHIM_REFERENCE_KERNELS=1`` puts in place of a plugin's own on its device (``devshim compare --reference
+    kernels``). They are plain torch, so they run on any device."""
+    import devshim_kernels
+
+    return FusedKernels(attention=devshim_kernels.attention, rms_norm=devshim_kernels.rms_norm,
+                        swiglu=devshim_kernels.swiglu, rotary=devshim_kernels.rotary,
+                        masked_softmax=devshim_kernels.masked_softmax,
+                        wgrad_accumulate=devshim_kernels.wgrad_accumulate, source="devshim_kernels")
+
+
+def reference_optimizer_kernels() -> OptimizerKernels:
+    """devshim-kernels' fused AdamW and host Adam (see :func:`reference_fused_kernels`)."""
+    import devshim_kernels
+
+    return optimizer_kernels(devshim_kernels.fused_adamw, "fused_adamw: devshim_kernels")

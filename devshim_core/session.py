@@ -81,7 +81,7 @@ def activate(environ: Mapping[str, str] | None = None, extra_plugins: Any = ()) 
         environment = env_migration.migrate(registry, selection.plugin, settings.detect_timeout,
                                             announce=_is_rank_zero())
         try:
-            device = build_device(registry, selection)
+            device = build_device(registry, selection, settings.reference_kernels)
             device.prepare_process()
         except BaseException:
             if environment is not None:

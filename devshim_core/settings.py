@@ -87,6 +87,7 @@ class Settings:
     detect_timeout: float = DEFAULT_DETECT_TIMEOUT  # DEVSHIM_DETECT_TIMEOUT: seconds per plugin's detection, 0 = none
     cuda_facade: bool = False  # DEVSHIM_CUDA_FACADE: on a CUDA device, route DeepSpeed through devshim's facade
     disable: tuple[str, ...] = ()  # DEVSHIM_DISABLE: integrations, patch sets and set:patch entries turned off
+    reference_kernels: bool = False  # DEVSHIM_REFERENCE_KERNELS: devshim-kernels' ops in place of the plugin's
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -114,6 +115,7 @@ class Settings:
             cuda_facade=parse_bool(env, "DEVSHIM_CUDA_FACADE", False),
             disable=tuple(dict.fromkeys(item.strip() for item in env.get("DEVSHIM_DISABLE", "").split(",")
                                         if item.strip())),
+            reference_kernels=parse_bool(env, "DEVSHIM_REFERENCE_KERNELS", False),
         )
         for warning in switches.check_environment(env):  # after the parsers above, whose messages are specific
             if warning not in _WARNED:  # settings are read more than once (devshim info, the kit): say it once

@@ -99,6 +99,18 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("DEVSHIM_LOG_LEVEL", "debug, info, warning or error", "info", "how much devshim logs on stderr (logger "
            "'devshim'); debug shows every patch applied and every kernel dispatch decision",
            lambda raw: raw.strip().lower() in log.LEVELS),
+    # -- devshim compare (docs/compare.md); `devshim compare` sets them for its two runs
+    Switch("DEVSHIM_COMPARE_DIR", "a directory", "unset", "record this run for `devshim compare`: every module's "
+           "outputs and gradients and every optimizer step, sampled, into a rank<N> folder per rank"),
+    Switch("DEVSHIM_COMPARE_STEPS", "an integer, 0 or more", "0", "with DEVSHIM_COMPARE_DIR, stop each process at the "
+           "first forward after this many optimizer steps (0: record the whole run)",
+           lambda raw: raw.strip().isdigit()),
+    Switch("DEVSHIM_COMPARE_SAMPLE", "a positive integer", "4096", "with DEVSHIM_COMPARE_DIR, the elements sampled "
+           "per tensor (evenly spaced, the same in every run)", _count),
+    Switch("DEVSHIM_COMPARE_FULL", "comma-separated module-name patterns (fnmatch)", "unset", "with "
+           "DEVSHIM_COMPARE_DIR, the modules whose tensors are recorded whole"),
+    Switch("DEVSHIM_REFERENCE_KERNELS", BOOLEAN, "0", "run devshim-kernels' reference ops in place of every kernel "
+           "the plugin serves, on the same device (`devshim compare --reference kernels`)", _bool),
     # -- devices
     Switch("DEVSHIM_CPU_DEVICE_COUNT", "a positive integer", "the launcher's local world size, else 1", "how many "
            "ranks the CPU device offers per host", _count, "devshim-cpu-reference"),

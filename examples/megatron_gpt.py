@@ -36,6 +36,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -177,10 +178,12 @@ def virtual_stage(stage: int | None) -> Iterator[None]:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
 
 
-def wrap(o: Options, config: TransformerConfig, chunks: list[GPTModel]) -> list[DistributedDataParallel]:
+def wrap(o: Options, config: TransformerConfig, chunks: list[Any]) -> list[DistributedDataParallel]:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap, overlap_param_gather=o.overlap,
         use_distributed_optimizer=o.distributed_optimizer, bucket_size=4096 if o.overlap else None)
+    if o.bf16:  # as megatron.training does: bf16 inputs to the first stage, fp32 outputs from the last
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
     wrapped = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
                for i, chunk in enumerate(chunks)]
     # how megatron.training wires the schedule to the buffers

@@ -18,7 +18,8 @@ from devshim_core.patching import REGISTRY
 def test_devshims_own_table_lists_in_install_order_without_applying_anything():
     before = REGISTRY.report()
     names = [i.name for i in table.builtin()]
-    assert names == ["torch.distributed", "cuda-redirect", "deepspeed", "megatron", "checkpoints", "huggingface"]
+    assert names == ["torch.distributed", "cuda-redirect", "deepspeed", "megatron", "checkpoints", "huggingface",
+                     "compare"]
     assert REGISTRY.report() == before  # listing applied nothing
     megatron = table.builtin()[3].describe()
     assert megatron["needs"] == ["cuda-redirect"] and "megatron.core" in megatron["triggers"]
@@ -177,5 +178,5 @@ def test_devshim_integrations_lists_the_table_without_activating_anything():
     *listing, last = result.stdout.strip().splitlines()
     rows = json.loads("\n".join(listing))
     assert [row["name"] for row in rows] == ["torch.distributed", "cuda-redirect", "deepspeed", "megatron",
-                                             "checkpoints", "huggingface"]
+                                             "checkpoints", "huggingface", "compare"]
     assert json.loads(last) == {"rc": 0, "active": False, "patches": []}

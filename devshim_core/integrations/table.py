@@ -14,7 +14,9 @@ ENTRY_POINT_GROUP = "devshim.integrations"
 def builtin() -> list[Integration]:
     """devshim's own, in the order they install: torch.distributed's job sets, the CUDA redirect, then the frameworks
     (Megatron needs the redirect applied before it), then the checkpoints both frameworks save and load, then HF
-    Accelerate's and transformers' device choice."""
+    Accelerate's and transformers' device choice, and last ``devshim compare``'s recorder (it hooks what the others
+    set up)."""
+    from devshim_core.compare.integration import INTEGRATION as COMPARE
     from devshim_core.integrations.checkpoints.integration import INTEGRATION as CHECKPOINTS
     from devshim_core.integrations.cuda_redirect.integration import INTEGRATION as CUDA_REDIRECT
     from devshim_core.integrations.deepspeed.integration import INTEGRATION as DEEPSPEED
@@ -22,7 +24,7 @@ def builtin() -> list[Integration]:
     from devshim_core.integrations.megatron.integration import INTEGRATION as MEGATRON
     from devshim_core.integrations.torch_distributed.integration import INTEGRATION as TORCH_DISTRIBUTED
 
-    return [TORCH_DISTRIBUTED, CUDA_REDIRECT, DEEPSPEED, MEGATRON, CHECKPOINTS, HUGGINGFACE]
+    return [TORCH_DISTRIBUTED, CUDA_REDIRECT, DEEPSPEED, MEGATRON, CHECKPOINTS, HUGGINGFACE, COMPARE]
 
 
 def third_party(taken: set[str]) -> list[Integration]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import platform
 
-import devshim_kernels
 import torch
 
 from devshim_core import (
@@ -75,12 +74,9 @@ def devshim_allocator(report: DeviceReport) -> AllocatorSpec:
 
 @hookimpl
 def devshim_optimizer_kernels(report: DeviceReport) -> OptimizerKernels:
-    return host_defaults.optimizer_kernels(devshim_kernels.fused_adamw, "fused_adamw: devshim_kernels")
+    return host_defaults.reference_optimizer_kernels()
 
 
 @hookimpl
 def devshim_attention_kernels(report: DeviceReport) -> FusedKernels:
-    return FusedKernels(attention=devshim_kernels.attention, rms_norm=devshim_kernels.rms_norm,
-                            swiglu=devshim_kernels.swiglu, rotary=devshim_kernels.rotary,
-                            masked_softmax=devshim_kernels.masked_softmax,
-                            wgrad_accumulate=devshim_kernels.wgrad_accumulate, source="devshim_kernels")
+    return host_defaults.reference_fused_kernels()
