@@ -112,6 +112,7 @@ def init_parallel(o: Options) -> None:
         tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
         virtual_pipeline_model_parallel_size=o.vpp, expert_model_parallel_size=o.ep, context_parallel_size=o.cp,
         hierarchical_context_parallel_sizes=hierarchical_cp(o))
+    torch.manual_seed(o.seed)  # as megatron.training does: the CPU's generator initialises the weights off CUDA too
     tensor_parallel.model_parallel_cuda_manual_seed(o.seed)
 
 

@@ -7,6 +7,9 @@ The end-to-end specs (real launchers, real frameworks, planted mistakes) are in 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -189,3 +192,104 @@ def test_a_tensor_scaled_as_a_whole_diverges_in_every_precision_though_its_cosin
     halved = measure(grad / 2, grad)
     assert halved.cosine == pytest.approx(1.0) and halved.norm_rel == pytest.approx(0.5)
     assert all(halved.breaks(tolerance_of(dtype)) for dtype in ("float32", "bfloat16", "float16"))
+
+
+# -- the reference kernels (devshim compare --reference kernels) -----------------------------------------------------
+
+
+def test_reference_kernels_replace_every_kernel_the_plugin_serves_and_leave_out_what_it_leaves_out():
+    """DEVSHIM_REFERENCE_KERNELS=1: the plugin's device, devshim-kernels' ops. A plugin that serves the cuda plugin's
+    kernels (plain torch, on host tensors) gets devshim_kernels' in their place; an op it does not serve stays None,
+    so the same framework paths run as without the switch."""
+    import dataclasses
+
+    import devshim_kernels
+    from plugin_fixtures.kit_doubles import cuda_kernels_on_host
+
+    from devshim_core.device import build_device
+    from devshim_core.plugins import discover
+    from devshim_core.selection import select
+    from devshim_core.settings import Settings
+
+    settings = Settings(forced="doubles")
+    registry = discover(settings, extra=[("doubles", cuda_kernels_on_host)])
+    own = build_device(registry, select(registry, settings))
+    reference = build_device(registry, select(registry, settings), reference_kernels=True)
+    assert own.attention.attention is not devshim_kernels.attention  # the cuda plugin's own, before
+    assert reference.attention.attention is devshim_kernels.attention
+    assert reference.optimizer.fused_adamw is devshim_kernels.fused_adamw
+    for field in dataclasses.fields(type(own.attention)):
+        if field.name != "source":
+            assert (getattr(reference.attention, field.name) is None) == (getattr(own.attention, field.name) is None)
+    assert "DEVSHIM_REFERENCE_KERNELS=1" in reference.attention.source
+
+
+# -- the command ------------------------------------------------------------------------------------------------------
+
+SCRIPT = """\
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(5):
+    loss = model(torch.randn(4, 8)).square().mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    print("step", step, flush=True)
+"""
+
+
+def devshim_compare(tmp_path: Path, *args: str, script: str = SCRIPT) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "train.py").write_text(script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVSHIM_")} | {"DEVSHIM_PLUGIN": "cpu_reference"}
+    devshim = Path(sys.executable).with_name("devshim")
+    return subprocess.run([str(devshim), "compare", *args], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_an_unmodified_script_is_compared_and_each_process_stops_after_the_steps_asked(tmp_path: Path):
+    """No devshim import in the script: DEVSHIM_AUTO activates it; --steps 2 stops the run at its third forward."""
+    done = devshim_compare(tmp_path, "--steps", "2", "--", sys.executable, "train.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RESULT: same within tolerance" in done.stdout
+    assert (tmp_path / "devshim-compare" / "run.log").read_text().count("step ") == 2
+    found = json.loads((tmp_path / "devshim-compare" / "compare.json").read_text())
+    assert {r["step"] for r in found["ranks"][0]["records"]} == {0, 1}
+    assert (tmp_path / "devshim-compare" / "compare.html").read_text().startswith("<!doctype html>")
+
+
+def test_a_run_that_fails_is_exit_2_with_the_end_of_its_output(tmp_path: Path):
+    done = devshim_compare(tmp_path, "--", sys.executable, "train.py", script="raise SystemExit('the data is gone')")
+    assert done.returncode == 2
+    assert "the device run exited with status 1" in done.stderr and "the data is gone" in done.stderr
+
+
+def test_no_command_and_a_reference_from_another_command_are_refused(tmp_path: Path):
+    assert devshim_compare(tmp_path).returncode == 2
+    first = devshim_compare(tmp_path, "--steps", "1", "--out", "first", "--", sys.executable, "train.py")
+    assert first.returncode == 0, first.stderr
+    other = devshim_compare(tmp_path, "--steps", "2", "--out", "second", "--reference-from", "first", "--",
+                            sys.executable, "train.py")
+    assert other.returncode == 2 and "its reference ran with other steps" in other.stderr
+    reused = devshim_compare(tmp_path, "--steps", "1", "--out", "third", "--reference-from", "first", "--",
+                             sys.executable, "train.py")
+    assert reused.returncode == 0, reused.stderr
+    assert "reference run:" not in reused.stderr  # not run again
+
+
+def test_runs_that_start_from_different_weights_are_told_so_with_what_to_do(tmp_path: Path):
+    reference = record(tmp_path / "reference", steps=1)
+    run_dir = tmp_path / "run" / "rank0"
+    torch.manual_seed(1)  # another initialisation
+    recorder = Recorder(run_dir, steps=0, sample=4096, full=(), meta={})
+    model = Model()
+    recorder.install()
+    try:
+        model(torch.randn(8, 16))
+    finally:
+        recorder.uninstall()
+    [rank] = report.compare_runs(tmp_path / "run", tmp_path / "reference")
+    assert rank.first is not None and rank.first.record.kind == "init_param"
+    assert "start from different weights" in report.terminal([rank], "run", "reference")
+    assert reference.records[0].kind == "init_param"

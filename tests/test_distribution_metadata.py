@@ -108,11 +108,12 @@ def test_the_core_sdist_carries_the_build_backend_its_pyproject_names():
 
 def test_only_the_emulation_registers_a_torch_backend_and_the_core_never_packages_it():
     """``import torch`` runs devshim's code only where devshim-emulation is installed: the core declares no
-    ``torch.backends`` entry point, installs no top-level module beside ``devshim_core`` and packages nothing of the
-    emulator; the emulation registers the entry points the core and pytest look for."""
+    ``torch.backends`` entry point, installs no top-level module beside ``devshim_core`` but ``_devshim_startup``
+    (which only ``devshim-auto.pth`` imports, and only with DEVSHIM_AUTO set) and packages nothing of the emulator;
+    the emulation registers the entry points the core and pytest look for."""
     core = pyproject(".")
     assert "torch.backends" not in core["project"].get("entry-points", {})
-    assert "py-modules" not in core["tool"].get("setuptools", {})
+    assert core["tool"]["setuptools"].get("py-modules", []) == ["_devshim_startup"]
     assert not [data for data in core["tool"]["setuptools"]["package-data"]["devshim_core"] if "emulation" in data]
     assert not (PROJECT_DIR / "devshim_core" / "emulation").exists()
     emulation = pyproject("emulation")

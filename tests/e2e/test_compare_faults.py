@@ -5,7 +5,7 @@ A test plugin (``tests/plugin_fixtures/faulty_kernels.py``) answers as ``cpu_ref
 mask of the wrong polarity, a wrong softmax scale, rotary embedding with its halves swapped, AdamW without bias
 correction, an all-reduce that averages instead of summing. For each script (megatron-core with tensor parallelism
 2, DeepSpeed ZeRO-2, an HF ``Trainer`` on DeepSpeed ZeRO-2), each of 2 ranks under ``torchrun --standalone``,
-``devshim compare --steps 2`` against the host reference must name the first module and step the mistake affects,
+``devshim compare --steps 1`` against the host reference must name the first module and step the mistake affects,
 exit 1, and, with no mistake planted, exit 0. A mistake in a kernel the script never calls changes nothing, and
 ``compare`` says so. One reference run per script and platform serves all its runs under test
 (``--reference-from``).
@@ -43,7 +43,7 @@ def compare(platform: Platform, script: list[str], out: Path, fault: str, site: 
                FAULTY_KERNEL=fault, PYTHONPATH=f"{site}:{REPO / 'tests'}", OMP_NUM_THREADS="1")
     if fault == "allreduce":  # devshim's shared-memory all-reduce would sum without calling the planted one
         env["DEVSHIM_SHARED_MEMORY_COLLECTIVES"] = "0"
-    command = [str(venv_bin("devshim")), "compare", "--steps", "2", "--out", str(out)]
+    command = [str(venv_bin("devshim")), "compare", "--steps", "1", "--out", str(out)]
     if reference_from is not None:
         command += ["--reference-from", str(reference_from)]
     command += ["--", str(venv_bin("torchrun")), "--standalone", "--nproc-per-node", "2",
@@ -73,7 +73,8 @@ CASES: dict[str, dict[str, tuple[int, str, str] | None]] = {
         "": None, "adamw": (0, "param", "FusedAdam.group0.param0"),
         "allreduce": (0, "optimizer_grad", "FusedAdam.group0.param0")},
 }
-PLATFORMS = {"megatron-core TP 2": (CPU, ASCEND), "DeepSpeed ZeRO-2": (CPU, ASCEND), "HF Trainer on ZeRO-2": (CPU,)}
+PLATFORMS = {"megatron-core TP 2": (CPU, ASCEND), "DeepSpeed ZeRO-2": (CPU, ASCEND),
+             "HF Trainer on ZeRO-2": (CPU, ASCEND)}
 PARAMS = [(script, platform) for script, platforms in PLATFORMS.items() for platform in platforms]
 
 
@@ -103,7 +104,7 @@ def run_all(script_name: str, platform: Platform, site: Path,
         build_emulator()
     work = tmp_path_factory.mktemp(f"compare-{script_name.split()[0]}-{platform.id}")
     script = list(SCRIPTS[script_name])
-    if script_name.startswith("megatron"):
+    if script_name.startswith("megatron") and platform is not CPU:
         # Megatron's RNG tracker forks the device's generator, which on the host is the CPU's own: started from its
         # own initialisation, a device run and the host reference differ from the first weight (compare says so);
         # both start from weights saved once here
@@ -165,3 +166,25 @@ def test_the_table_in_the_docs_states_these_results() -> None:
                  "none: exit 0" if where is None else f"step {where[0]} {where[1]} {where[2]}")
                 for script, faults in CASES.items() for fault, where in faults.items()}
     assert rows == expected
+
+
+def test_against_the_devices_own_run_on_reference_kernels_compare_isolates_a_plugin_kernel(faulty_site: Path,
+                                                                                         tmp_path: Path) -> None:
+    """``--reference kernels``: the same emulated npu, devshim's reference kernels in place of the plugin's. The
+    devices' matmuls and collectives are the same in both runs, so a clean run agrees and a wrong kernel is named
+    where it is used; no saved weights are needed, both runs draw from the same device's generator."""
+    build_emulator()
+    found = {}
+    for fault in ("", "scale"):
+        out = tmp_path / (fault or "clean")
+        env = job_env(tmp_path, ASCEND.job_env(dict(ASCEND.two_devices_env, DEVSHIM_PLUGIN="faulty",
+                                                     FAULTY_BASE="ascend", FAULTY_KERNEL=fault,
+                                                     PYTHONPATH=f"{faulty_site}:{REPO / 'tests'}")))
+        done = subprocess.run([str(venv_bin("devshim")), "compare", "--steps", "1", "--reference", "kernels", "--out",
+                               str(out), "--", str(venv_bin("torchrun")), "--standalone", "--nproc-per-node", "2",
+                               *MEGATRON], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+        found[fault] = (done.returncode, done.stdout + done.stderr, json.loads((out / "compare.json").read_text()))
+    code, output, report = found[""]
+    assert code == 0 and first_divergences(report) == [None, None], output[-3000:]
+    code, output, report = found["scale"]
+    assert code == 1 and first_divergences(report) == [CORE_ATTENTION, CORE_ATTENTION], output[-3000:]
