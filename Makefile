@@ -24,7 +24,7 @@ OLDEST_MEGATRON := 0.12.1
 MEGATRON_OLDEST_VENV ?= .venv-megatron-core-$(OLDEST_MEGATRON)
 MEGATRON_OLDEST_STAMP := $(MEGATRON_OLDEST_VENV)/.devshim-installed
 
-.PHONY: install demo megatron-demo test test-conformance test-deepspeed-oldest test-megatron-oldest test-wheels lint bench stress chaos docs clean
+.PHONY: install demo megatron-demo test test-compare-matrix test-conformance test-deepspeed-oldest test-megatron-oldest test-wheels lint bench stress chaos docs clean
 
 install: $(STAMP)
 
@@ -48,13 +48,18 @@ megatron-demo: $(STAMP)
 # the main suite, then the emulated-device suites, each vendor in a process of its own (one PrivateUse1 name
 # per process); the emulator is built once into ~/.cache/devshim and shared by every run and e2e job
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not compare_matrix" $(PYTEST_ARGS)
 	DEVSHIM_EMULATE=ascend $(PY) -m pytest tests/emulated $(PYTEST_ARGS)
 	DEVSHIM_EMULATE=sophgo $(PY) -m pytest tests/emulated $(PYTEST_ARGS)
 	$(MAKE) test-conformance
 	$(MAKE) test-deepspeed-oldest
 	$(MAKE) test-megatron-oldest
 	$(MAKE) test-wheels
+
+# devshim compare's planted mistakes beyond what make test runs (megatron-core on the emulated npu, and the
+# reference-kernels spec): the three scripts on the host CPU, DeepSpeed and HF on the emulated npu (~2.5 min)
+test-compare-matrix: $(STAMP)
+	$(PY) -m pytest tests/e2e/test_compare_faults.py -m compare_matrix $(PYTEST_ARGS)
 
 # devshim's conformance kit (devshim_core.testing) on each of devshim's plugins, as a vendor runs it on its own;
 # two devices each, so that its 2-rank DeepSpeed and Megatron jobs run; --noconftest: tests/conftest.py (loaded for
