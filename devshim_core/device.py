@@ -216,12 +216,15 @@ def _reference_kernels(plugin: str, optimizer: OptimizerKernels,
     except ImportError as exc:
         raise ConfigError(f"DEVSHIM_REFERENCE_KERNELS=1 needs devshim-kernels, which is not installed ({exc}): "
                           "pip install devshim-kernels") from exc
-    fused = {f.name: getattr(reference_attention, f.name) if getattr(attention, f.name) is not None else None
-             for f in dataclasses.fields(FusedKernels) if f.name != "source"}
-    steps = {f.name: getattr(reference_optimizer, f.name) if getattr(optimizer, f.name) is not None else None
-             for f in dataclasses.fields(OptimizerKernels) if f.name != "source"}
     note = f"devshim_kernels (DEVSHIM_REFERENCE_KERNELS=1, in place of the {plugin} plugin's)"
-    return OptimizerKernels(**steps, source=note), FusedKernels(**fused, source=note)
+    return _in_place_of(optimizer, reference_optimizer, note), _in_place_of(attention, reference_attention, note)
+
+
+def _in_place_of(own: Any, reference: Any, source: str) -> Any:
+    """The kernel record ``own`` with each op it serves replaced by ``reference``'s, and ``source`` as its source."""
+    return dataclasses.replace(own, source=source, **{
+        f.name: getattr(reference, f.name) for f in dataclasses.fields(own)
+        if f.name != "source" and getattr(own, f.name) is not None})
 
 
 def build_device(registry: PluginRegistry, selection: Selection, reference_kernels: bool = False) -> Device:

@@ -101,9 +101,9 @@ class DumpWriter:
         numel = flat.numel()
         indices = sample_indices(numel, sample, flat.device)
         picked = (flat if indices is None else flat[indices]).to(device="cpu", dtype=torch.float32)
-        whole = flat.float()
-        norm = float(whole.norm()) if numel else 0.0
-        max_abs = float(whole.abs().max()) if numel else 0.0
+        # accumulated in fp32 without an fp32 copy of the tensor: this runs for every tensor of every step
+        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) if numel else 0.0
+        max_abs = float(torch.linalg.vector_norm(flat, ord=float("inf"), dtype=torch.float32)) if numel else 0.0
         record = Record(step=step, order=order, kind=kind, module=module, call=call, tensor=tensor,
                         dtype=str(value.dtype).removeprefix("torch."), shape=tuple(value.shape), numel=numel,
                         offset=self._offset, count=picked.numel(), norm=norm, max_abs=max_abs)

@@ -141,9 +141,9 @@ def replacements(d: Device, devices: DeviceMap) -> dict[str, Any]:
         return d.available_memory(i), d.total_memory(i)
 
     def by_index(function: Callable[..., Any]) -> Callable[..., Any]:
-        # None is passed on: the allocator's callables take an optional index, None the current device, like
-        # torch.cuda's (AllocatorSpec), so memory_allocated() pays no current-device lookup
-        # torch.cuda's memory functions take the device alone
+        # torch.cuda's memory functions take the device alone. None is passed on: the allocator's callables take an
+        # optional index, None the current device, like torch.cuda's (AllocatorSpec), so memory_allocated() pays no
+        # current-device lookup
         def call(device: Any = None) -> Any:
             return function(None if device is None else index(device))
 
